@@ -1,0 +1,33 @@
+# fcp quick start: `make demo` runs the main job, `make test` the whole test suite.
+# Both create .venv on first use (Python 3.11, CPU torch 2.13.0) and install fcp into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fcp-installed
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+export PYTHONDONTWRITEBYTECODE = 1
+
+.PHONY: demo test test-fast bench gpu-check clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned: the local CPU wheel; the project's range then installs nothing more.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/shard_packed_batch.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+gpu-check: $(STAMP)
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .cache .hypothesis
