@@ -1,0 +1,298 @@
+"""Contiguous batch sharding: one token interval per CP rank, one replicated document map.
+
+:func:`shard_batch` runs eagerly, once per batch, on the replicated full batch. It validates and
+resolves everything host-side (so every rank reaches the same verdict and a bad batch raises the
+same ``ValueError`` on every rank before any collective), pads, slices, and returns this rank's
+``PackedContext`` for the compiled model. :func:`gather_sequence` is the inverse.
+
+Worked example (2 ranks, ``pad_multiple=1``)::
+
+    batch = {"input_ids": [[5, 6, 7, 8, 9]], "labels": [[6, 7, 8, 9, -100]],
+             "cu_seqlens": [0, 2, 5]}
+    padded to 6:  input_ids [[5, 6, 7, 8, 9, 0]], labels [[6, 7, 8, 9, -100, -100]]
+    doc_ids       [[1, 1, 2, 2, 2, 0]]
+    rank 0 local: input_ids [[5, 6, 7]], position_ids [[0, 1, 0]]
+    rank 1 local: input_ids [[8, 9, 0]], position_ids [[1, 2, 0]]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from fcp.comm import all_gather_sequence
+from fcp.context import PackedContext
+from fcp.groups import mesh_size, resolve_group
+from fcp.layout import (
+    PAD_DOC_ID,
+    doc_ids_from_cu_seqlens,
+    doc_ids_from_seq_lens,
+    position_ids_from_doc_ids,
+    validate_doc_ids,
+    validate_right_tail_mask,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "PACKING_KEYS",
+    "TOKEN_KEYS",
+    "shard_batch",
+    "gather_sequence",
+    "global_doc_ids_from_batch",
+    "normalize_batch_axis",
+    "pad_sequence_dim",
+]
+
+IGNORE_INDEX = -100
+#: Token-aligned streams sharded along the sequence axis, with their pad values by meaning.
+#: ``None``: filled from ``padding_token_id``. Position ids pad with 0: pad tokens are never
+#: visible to real ones, and 0 keeps rotary tables in range.
+TOKEN_KEYS: dict[str, Any] = {
+    "input_ids": None,
+    "inputs_embeds": 0.0,
+    "labels": IGNORE_INDEX,
+    "position_ids": 0,
+    "loss_mask": 0,
+    "attention_mask": False,
+    "padding_mask": False,
+    "token_type_ids": 0,
+}
+#: Packing metadata consumed into the document map (the context carries the layout afterwards).
+PACKING_KEYS = ("cu_seqlens", "seq_lens", "seq_lens_padded", "max_seqlen", "doc_ids")
+_MASK_KEYS = ("attention_mask", "padding_mask")
+
+
+def pad_sequence_dim(tensor: torch.Tensor, pad_len: int, value: float | int | bool, dim: int = 1):
+    """Right-pad ``tensor`` along ``dim`` by ``pad_len`` entries of ``value`` (new tensor)."""
+    if pad_len < 0:
+        raise ValueError(f"pad_len must be >= 0, got {pad_len}")
+    if pad_len == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = pad_len
+    fill = torch.full(shape, value, dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([tensor, fill], dim=dim)
+
+
+def normalize_batch_axis(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """Return a new batch whose token streams have a leading batch axis.
+
+    THD collaters give ``[sequence]`` rows (``[sequence, hidden]`` for ``inputs_embeds``); they
+    become ``[1, sequence]`` (``[1, sequence, hidden]``). ``seq_lens`` keeps its own layout.
+    """
+    primary = "input_ids" if batch.get("input_ids") is not None else "inputs_embeds"
+    ref = batch.get(primary)
+    flat = isinstance(ref, torch.Tensor) and ref.dim() == (1 if primary == "input_ids" else 2)
+    out = dict(batch)
+    if not flat:
+        return out
+    for key in TOKEN_KEYS:
+        t = out.get(key)
+        if isinstance(t, torch.Tensor):
+            expect_flat = 2 if key == "inputs_embeds" else 1
+            if t.dim() == expect_flat:
+                out[key] = t.unsqueeze(0)
+    return out
+
+
+def global_doc_ids_from_batch(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor:
+    """Resolve the int64 ``[batch, seq_len]`` document map before packing metadata is dropped.
+
+    Sources, in order: ``doc_ids`` (validated), ``cu_seqlens`` (one packed row), ``seq_lens``
+    (per-row real lengths, ``-1000`` marks unused slots; ``seq_lens_padded`` is virtual-layout
+    metadata and never used for physical offsets), a right-tail ``attention_mask`` /
+    ``padding_mask`` (one document per row), else one document per row covering it all.
+    """
+    primary = batch.get("input_ids")
+    if primary is None:
+        primary = batch["inputs_embeds"]
+    n_rows, device = primary.shape[0], primary.device
+    mask = _mask_of(batch, primary)
+    packed = batch.get("cu_seqlens") is not None or batch.get("seq_lens") is not None
+    if batch.get("doc_ids") is not None:
+        doc_ids = torch.as_tensor(batch["doc_ids"])
+        if doc_ids.dim() == 1:
+            doc_ids = doc_ids.unsqueeze(0)
+        if tuple(doc_ids.shape) != (n_rows, seq_len):
+            raise ValueError(
+                f"doc_ids has shape {tuple(doc_ids.shape)}, expected {(n_rows, seq_len)}"
+            )
+        validate_doc_ids(doc_ids)
+    elif batch.get("cu_seqlens") is not None:
+        if n_rows != 1:
+            raise ValueError(
+                f"cu_seqlens describes one packed row, but the batch has {n_rows} rows; "
+                "use seq_lens [batch, documents] for packed batches with several rows"
+            )
+        doc_ids = doc_ids_from_cu_seqlens(torch.as_tensor(batch["cu_seqlens"]), seq_len)
+    elif batch.get("seq_lens") is not None:
+        seq_lens = torch.as_tensor(batch["seq_lens"])
+        rows = 1 if seq_lens.dim() == 1 else seq_lens.shape[0]
+        if rows != n_rows:
+            raise ValueError(
+                f"seq_lens has {rows} rows but input has batch {n_rows} "
+                f"(seq_lens shape {tuple(seq_lens.shape)})"
+            )
+        doc_ids = doc_ids_from_seq_lens(seq_lens, seq_len)
+    elif mask is not None:
+        doc_ids = mask.long()  # one document (id 1) per row, pad tail 0
+    else:
+        doc_ids = torch.ones(n_rows, seq_len, dtype=torch.long)
+    doc_ids = doc_ids.to(device=device, dtype=torch.long)
+    if packed and mask is not None:
+        # A validity mask next to packing metadata must agree with it: valid == inside a document.
+        if not torch.equal(mask.to(device), doc_ids != PAD_DOC_ID):
+            raise ValueError(
+                "attention_mask/padding_mask disagrees with the packing metadata: the mask must "
+                "be True exactly on the tokens covered by documents"
+            )
+    return doc_ids
+
+
+def _mask_of(batch: Mapping[str, Any], primary: torch.Tensor) -> torch.Tensor | None:
+    masks = [k for k in _MASK_KEYS if batch.get(k) is not None]
+    if not masks:
+        return None
+    like = primary if primary.dim() == 2 else primary[..., 0]
+    normalised = []
+    for key in masks:
+        m = batch[key]
+        if m.dim() != 2 or (m.dtype != torch.bool and bool(((m != 0) & (m != 1)).any())):
+            raise ValueError(
+                f"{key} with shape {tuple(m.shape)} and dtype {m.dtype} is a packed or "
+                "block attention mask, which contiguous CP does not support; pass packing "
+                "metadata (cu_seqlens / seq_lens) and an optional binary right-tail mask"
+            )
+        normalised.append(validate_right_tail_mask(m, like=like, name=key))
+    if len(normalised) == 2 and not torch.equal(normalised[0], normalised[1]):
+        raise ValueError("attention_mask and padding_mask are both given and disagree")
+    return normalised[0]
+
+
+def shard_batch(
+    cp_mesh: Any,
+    tp_mesh: Any,
+    batch: Mapping[str, Any],
+    *,
+    loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0,
+    pad_multiple: int = 1,
+    shard_primary: bool = True,
+    extra_token_keys: tuple[str, ...] = (),
+) -> tuple[Callable[[], contextlib.AbstractContextManager], dict[str, Any], PackedContext]:
+    """Validate, pad and contiguously shard a (packed) batch for this CP rank.
+
+    Args:
+        cp_mesh: 1-D ``DeviceMesh``, ``ProcessGroup`` or ``None`` (no CP).
+        tp_mesh: accepted by the sharder protocol; must be ``None`` or of size one.
+        batch: full-sequence batch, identical on every CP rank, never mutated. Token streams
+            ``[batch, sequence]`` (``[sequence]`` rows from THD collaters are accepted):
+            exactly one of ``input_ids`` (int) / ``inputs_embeds`` (``[batch, sequence, hidden]``);
+            optional ``labels``, ``position_ids``, ``loss_mask``, ``attention_mask`` /
+            ``padding_mask`` (binary, right-tail), ``token_type_ids``; packing metadata
+            ``doc_ids`` / ``cu_seqlens`` / ``seq_lens`` (+ ignored ``seq_lens_padded``).
+            Other entries are passed through unchanged.
+        loss_mask: optional ``[batch, sequence]`` loss mask, sharded into ``local["loss_mask"]``
+            (overrides ``batch["loss_mask"]``).
+        padding_token_id: input id appended for CP divisibility.
+        pad_multiple: every rank's local length is a multiple of this (e.g. 4 for a ratio-4
+            compressed attention).
+        shard_primary: ``False`` keeps ``input_ids`` / ``inputs_embeds`` full length (padded)
+            so the model can splice features into the full sequence first and then apply the
+            differentiable ``context.shard(embeds)``; every other stream is still sharded.
+        extra_token_keys: further ``[batch, sequence, ...]`` keys to shard (padded with 0).
+
+    Returns:
+        ``(context_factory, local_batch, context)``: a null context-manager factory (sharder
+        protocol), a **new** dict with this rank's slices (packing metadata removed, its layout
+        lives in ``context``; ``position_ids`` added from the document map when absent), and
+        this rank's :class:`~fcp.context.PackedContext`.
+
+    Padding (by meaning): input ids ``padding_token_id``, embeddings 0, labels -100, loss mask 0,
+    validity masks False, position ids 0, doc id 0.
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch must be a mapping, got {type(batch).__name__}")
+    if mesh_size(tp_mesh) > 1:
+        raise ValueError(
+            f"tp_mesh has size {mesh_size(tp_mesh)}; contiguous CP supports no tensor "
+            "parallelism (tp_mesh must be None or of size one)"
+        )
+    if not isinstance(pad_multiple, int) or pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be a positive int, got {pad_multiple!r}")
+    has_ids = batch.get("input_ids") is not None
+    has_embeds = batch.get("inputs_embeds") is not None
+    if has_ids == has_embeds:
+        raise ValueError(
+            "batch must contain exactly one of input_ids / inputs_embeds, got "
+            + ("both" if has_ids else "neither")
+        )
+    info = resolve_group(cp_mesh)
+    work = normalize_batch_axis(batch)
+    if loss_mask is not None:
+        work["loss_mask"] = loss_mask.unsqueeze(0) if loss_mask.dim() == 1 else loss_mask
+    primary_key = "input_ids" if has_ids else "inputs_embeds"
+    primary = work[primary_key]
+    if primary_key == "input_ids" and (primary.dim() != 2 or primary.is_floating_point()):
+        raise ValueError(
+            f"input_ids must be an integer [batch, sequence] tensor, got shape "
+            f"{tuple(primary.shape)} dtype {primary.dtype}"
+        )
+    if primary_key == "inputs_embeds" and primary.dim() != 3:
+        raise ValueError(
+            f"inputs_embeds must be [batch, sequence, hidden], got {tuple(primary.shape)}"
+        )
+    n_rows, seq_len = primary.shape[:2]
+    token_keys = {k: v for k, v in TOKEN_KEYS.items()}
+    token_keys.update({k: 0 for k in extra_token_keys})
+    for key in token_keys:
+        t = work.get(key)
+        if isinstance(t, torch.Tensor) and tuple(t.shape[:2]) != (n_rows, seq_len):
+            raise ValueError(
+                f"{key} has shape {tuple(t.shape)}, expected [batch={n_rows}, "
+                f"sequence={seq_len}, ...] like {primary_key}"
+            )
+
+    doc_ids = global_doc_ids_from_batch(work, seq_len)
+    multiple = info.size * pad_multiple
+    padded_len = -(-seq_len // multiple) * multiple if seq_len else multiple
+    pad = padded_len - seq_len
+    doc_ids = pad_sequence_dim(doc_ids, pad, PAD_DOC_ID)
+    context = PackedContext(
+        doc_ids=doc_ids,
+        group=info.group,
+        cp_size=info.size,
+        cp_rank=info.rank,
+        original_seq_len=seq_len,
+    )
+
+    local: dict[str, Any] = {k: v for k, v in work.items() if k not in PACKING_KEYS}
+    if local.get("position_ids") is None:
+        local["position_ids"] = position_ids_from_doc_ids(doc_ids)[:, :seq_len]
+    for key, fill in token_keys.items():
+        t = local.get(key)
+        if not isinstance(t, torch.Tensor):
+            continue
+        if fill is None:
+            fill = padding_token_id
+        t = pad_sequence_dim(t, pad, fill)
+        keep_full = key == primary_key and not shard_primary
+        local[key] = t if keep_full else context.shard(t, dim=1)
+    return contextlib.nullcontext, local, context
+
+
+def gather_sequence(
+    local: torch.Tensor, context: PackedContext, dim: int = 1, *, unpad: bool = True
+) -> torch.Tensor:
+    """Inverse of sharding: this rank's ``[batch, local_seq, ...]`` slice back to the full row.
+
+    Gradients flow back to the owning ranks (reduce-scatter). ``unpad=True`` drops the CP padding
+    (returns ``original_seq_len`` positions along ``dim``).
+    """
+    full = all_gather_sequence(local, context, dim=dim)
+    if unpad and context.original_seq_len is not None:
+        full = full.narrow(dim, 0, context.original_seq_len)
+    return full

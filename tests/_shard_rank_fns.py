@@ -1,0 +1,64 @@
+"""Functions run on pool ranks by the sharding tests (importable by module path)."""
+
+from __future__ import annotations
+
+import torch
+
+from fcp.shard import gather_sequence, shard_batch
+
+
+def shard_and_gather(env, batch: dict, pad_multiple: int, use_mesh: bool):
+    """Shard ``batch`` on this rank, then gather every token stream back to the full row."""
+    group = env.mesh() if use_mesh else env.group
+    _, local, ctx = shard_batch(group, None, batch, pad_multiple=pad_multiple)
+    gathered = {}
+    for key, value in local.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            gathered[key] = gather_sequence(value, ctx, unpad=True)
+            gathered[key + "@padded"] = gather_sequence(value, ctx, unpad=False)
+    return {
+        "local": local,
+        "gathered": gathered,
+        "doc_ids": ctx.doc_ids,
+        "local_doc_ids": ctx.local_doc_ids,
+        "interval": ctx.interval,
+        "cp": (ctx.cp_size, ctx.cp_rank, ctx.local_seq_len, ctx.original_seq_len),
+        "input_unchanged": batch,
+    }
+
+
+def shard_error(env, batch: dict, kwargs: dict):
+    """Return the error every rank raises for a bad batch (or None)."""
+    try:
+        shard_batch(env.group, kwargs.pop("tp", None), batch, **kwargs)
+    except (ValueError, TypeError) as err:
+        return type(err).__name__, str(err)
+    return None
+
+
+def gather_grad(env, full: torch.Tensor):
+    """Gradients of the unpadded gather flow back to the rank that owns each token."""
+    batch = {"inputs_embeds": full}
+    _, local, ctx = shard_batch(env.group, None, batch)
+    x = local["inputs_embeds"].clone().requires_grad_()
+    out = gather_sequence(x, ctx)
+    weights = torch.arange(out.numel(), dtype=out.dtype).view_as(out)
+    (out * weights).sum().backward()
+    return x.grad, ctx.interval
+
+
+def primary_kept_full(env, batch: dict):
+    _, local, ctx = shard_batch(env.group, None, batch, shard_primary=False)
+    embeds = torch.nn.functional.one_hot(local["input_ids"], 8).float().requires_grad_()
+    sliced = ctx.shard(embeds)
+    sliced.sum().backward()
+    return local["input_ids"].shape, local["labels"], sliced.detach(), embeds.grad
+
+
+def shard_error_tp(env, batch: dict):
+    """A TP mesh of size > 1 is rejected on every rank."""
+    try:
+        shard_batch(None, env.group, batch)
+    except ValueError as err:
+        return type(err).__name__, str(err)
+    return None

@@ -1,0 +1,139 @@
+"""Unit tests of fcp.shard_batch: the worked example, padding by meaning, validation, THD rows."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fcp
+from fcp.shard import gather_sequence, shard_batch
+from tests import _shard_rank_fns as fns
+
+
+def test_worked_example_single_process():
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+             "labels": torch.tensor([[6, 7, 8, 9, -100]]),
+             "cu_seqlens": torch.tensor([0, 2, 5])}
+    before = copy.deepcopy(batch)
+    factory, local, ctx = shard_batch(None, None, batch, pad_multiple=3)
+    with factory():
+        pass
+    assert torch.equal(local["input_ids"], torch.tensor([[5, 6, 7, 8, 9, 0]]))
+    assert torch.equal(local["labels"], torch.tensor([[6, 7, 8, 9, -100, -100]]))
+    assert torch.equal(local["position_ids"], torch.tensor([[0, 1, 0, 1, 2, 0]]))
+    assert torch.equal(ctx.doc_ids, torch.tensor([[1, 1, 2, 2, 2, 0]]))
+    assert not ctx.cp_enabled and ctx.original_seq_len == 5 and ctx.local_seq_len == 6
+    assert "cu_seqlens" not in local
+    assert all(torch.equal(batch[k], before[k]) for k in before) and batch.keys() == before.keys()
+
+
+def test_worked_example_two_ranks(rank_pool):
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+             "labels": torch.tensor([[6, 7, 8, 9, -100]]),
+             "cu_seqlens": torch.tensor([0, 2, 5])}
+    r0, r1 = rank_pool.run(fns.shard_and_gather, 2, batch, 1, False)
+    assert torch.equal(r0["local"]["input_ids"], torch.tensor([[5, 6, 7]]))
+    assert torch.equal(r1["local"]["input_ids"], torch.tensor([[8, 9, 0]]))
+    assert torch.equal(r0["local"]["position_ids"], torch.tensor([[0, 1, 0]]))
+    assert torch.equal(r1["local"]["position_ids"], torch.tensor([[1, 2, 0]]))
+    assert torch.equal(r1["local_doc_ids"], torch.tensor([[2, 2, 0]]))
+
+
+def test_thd_rows_get_a_batch_axis_and_embeddings_pad_with_zeros():
+    batch = {"inputs_embeds": torch.ones(5, 3), "labels": torch.arange(5),
+             "attention_mask": torch.tensor([1, 1, 1, 0, 0])}
+    _, local, ctx = shard_batch(None, None, batch, pad_multiple=4)
+    assert local["inputs_embeds"].shape == (1, 8, 3)
+    assert torch.equal(local["inputs_embeds"][0, 5:], torch.zeros(3, 3))
+    assert torch.equal(local["labels"], torch.tensor([[0, 1, 2, 3, 4, -100, -100, -100]]))
+    assert local["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]]
+    assert ctx.doc_ids.tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]]  # mask -> one doc + pad tail
+
+
+def test_loss_mask_argument_is_sharded_and_padded_with_zero():
+    batch = {"input_ids": torch.ones(1, 3, dtype=torch.long)}
+    _, local, _ = shard_batch(None, None, batch, loss_mask=torch.tensor([[1, 0, 1]]),
+                              pad_multiple=2)
+    assert local["loss_mask"].tolist() == [[1, 0, 1, 0]]
+
+
+def test_other_entries_pass_through_unchanged():
+    pixel = torch.randn(2, 3)
+    _, local, _ = shard_batch(None, None, {"input_ids": torch.ones(1, 2, dtype=torch.long),
+                                           "pixel_values": pixel, "meta": "x"})
+    assert local["pixel_values"] is pixel and local["meta"] == "x"
+
+
+@pytest.mark.parametrize(
+    "batch, kwargs, match",
+    [
+        ({"labels": torch.ones(1, 2)}, {}, "neither"),
+        ({"input_ids": torch.ones(1, 2, dtype=torch.long), "inputs_embeds": torch.ones(1, 2, 3)},
+         {}, "both"),
+        ({"input_ids": torch.ones(2, 4, dtype=torch.long), "cu_seqlens": torch.tensor([0, 4])},
+         {}, "one packed row"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long),
+          "attention_mask": torch.tensor([[1, 1, 2, 2]])}, {}, "packed or block"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long),
+          "attention_mask": torch.tensor([[1, 0, 1, 1]])}, {}, "attention_mask"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long),
+          "attention_mask": torch.ones(1, 4, 4)}, {}, "packed or block"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "cu_seqlens": torch.tensor([0, 2]),
+          "attention_mask": torch.ones(1, 4)}, {}, "disagrees"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 3)}, {},
+         "labels has shape"),
+        ({"input_ids": torch.ones(1, 4)}, {}, "integer"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long)}, {"pad_multiple": 0}, "pad_multiple"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "seq_lens": torch.tensor([[1], [2]])},
+         {}, "seq_lens has 2 rows"),
+    ],
+)
+def test_rejects_what_it_cannot_honour(batch, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        shard_batch(None, None, batch, **kwargs)
+
+
+def test_rejects_tensor_parallel_mesh(rank_pool):
+    batch = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
+    results = rank_pool.run(fns.shard_error, 2, batch, {"tp": "group"})
+    # "group" is not a mesh: a clear TypeError on every rank
+    assert all(r[0] == "TypeError" for r in results)
+    results = rank_pool.run(fns.shard_error_tp, 2, batch)
+    assert all(r[0] == "ValueError" and "tp_mesh has size 2" in r[1] for r in results)
+
+
+def test_gather_gradients_flow_to_owning_ranks(rank_pool):
+    full = torch.randn(1, 7, 2)
+    results = rank_pool.run(fns.gather_grad, 2, full)
+    weights = torch.arange(14, dtype=full.dtype).view(1, 7, 2)
+    padded = torch.cat([weights, torch.zeros(1, 1, 2)], 1) * 2  # both ranks' losses
+    for grad, (start, end) in results:
+        torch.testing.assert_close(grad, padded[:, start:end])
+
+
+def test_shard_primary_false_keeps_ids_full_and_slices_differentiably(rank_pool):
+    batch = {"input_ids": torch.tensor([[1, 2, 3, 4, 5]]), "labels": torch.tensor([[2, 3, 4, 5, 6]])}
+    for rank, (shape, labels, sliced, grad) in enumerate(
+        rank_pool.run(fns.primary_kept_full, 2, batch)
+    ):
+        assert tuple(shape) == (1, 6)  # padded, not sliced
+        assert labels.shape == (1, 3)
+        expect_ids = torch.tensor([[1, 2, 3, 4, 5, 0]])[:, rank * 3 : rank * 3 + 3]
+        assert torch.equal(sliced.argmax(-1), expect_ids)
+        assert torch.equal(grad.sum(-1)[0], torch.tensor([8.0 if rank * 3 <= t < rank * 3 + 3
+                                                          else 0.0 for t in range(6)]))
+
+
+def test_gather_sequence_without_cp_unpads():
+    _, local, ctx = shard_batch(None, None, {"input_ids": torch.arange(3).view(1, 3)},
+                                pad_multiple=4)
+    assert gather_sequence(local["input_ids"], ctx).tolist() == [[0, 1, 2]]
+    assert gather_sequence(local["input_ids"], ctx, unpad=False).shape == (1, 4)
+
+
+def test_top_level_exports():
+    for name in ("shard_batch", "gather_sequence", "PackedContext", "all_gather_sequence",
+                 "left_halo", "state_chain", "all_gather_backward_anchor", "PAD_DOC_ID"):
+        assert hasattr(fcp, name), name
