@@ -1,0 +1,267 @@
+"""Compile-native collectives for contiguous CP, all on ``torch.distributed._functional_collectives``.
+
+Every byte an fcp operator moves between ranks goes through one of four functions:
+
+* :func:`all_gather_sequence` - equal contiguous shards concatenated in rank order (backward: a
+  reduce-scatter of the gradient).
+* :func:`all_gather_backward_anchor` - a zero scalar that keeps a rank in the backward collective
+  of a gather whose values its loss ignores.
+* :func:`left_halo` - the ``history`` global tokens just before this rank's interval, moved with
+  one ``all_to_all_single`` whose split sizes are static Python ints (``O(history)`` bytes).
+* :func:`state_chain` - the incoming state of a linear recurrence, from every earlier rank's
+  transition and zero-start state, with one all-gather and fp32 accumulation.
+
+All four are identities (no collective) when CP is off, contain no host synchronisation, and
+trace under ``torch.compile(fullgraph=True)``. Their gradients flow through funcol's own autograd
+formulas (all-gather <-> reduce-scatter, all-to-all <-> all-to-all with swapped splits).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from fcp.context import PackedContext
+from fcp.groups import GroupInfo, resolve_group
+
+__all__ = [
+    "all_gather_sequence",
+    "all_gather_backward_anchor",
+    "left_halo",
+    "halo_plan",
+    "state_chain",
+]
+
+
+def _info(group: Any) -> GroupInfo:
+    if isinstance(group, PackedContext):
+        return group.group_info
+    return resolve_group(group)
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    # Eager funcol returns AsyncCollectiveTensor; waiting right away avoids "unwaited collective"
+    # warnings at exit. Under tracing the wait is already in the graph.
+    if isinstance(t, funcol.AsyncCollectiveTensor):
+        return t.wait()
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# sequence all-gather
+# ---------------------------------------------------------------------------------------------
+def all_gather_sequence(
+    tensor: torch.Tensor,
+    group: Any,
+    dim: int = 1,
+    *,
+    differentiable: bool = True,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Concatenate equal contiguous shards in global rank order along ``dim``.
+
+    Args:
+        tensor: this rank's shard, any shape; ``tensor.shape[dim]`` is the local length (or a
+            fixed fraction of it, e.g. ``local_len // 4`` for a compressed stream) and must be the
+            same on every rank, as must every other axis.
+        group: ``PackedContext``, ``ProcessGroup``, 1-D ``DeviceMesh`` or ``None`` (identity).
+        dim: axis to concatenate (negative allowed).
+        differentiable: ``True``: backward sends each rank the sum over ranks of the gradient of
+            its own slice (one reduce-scatter). ``False``: the input is detached (integer metadata,
+            frozen routing values); no backward collective.
+        validate: in eager mode, check shapes agree across ranks first (one tiny all-gather) and
+            raise ``ValueError`` on every rank instead of letting the collective fail. Skipped
+            under ``torch.compile``; a ``PackedContext`` group is checked statically instead.
+
+    Returns:
+        ``tensor`` with ``shape[dim]`` multiplied by the group size.
+
+    Example (2 ranks, ``dim=1``): rank 0 holds ``[[a, b]]``, rank 1 ``[[c, d]]``; both get
+    ``[[a, b, c, d]]``.
+    """
+    info = _info(group)
+    if info.group is None:
+        return tensor
+    dim = dim % tensor.dim()
+    if isinstance(group, PackedContext):
+        n, local = tensor.shape[dim], group.local_seq_len
+        if n == 0 or local % n:
+            raise ValueError(
+                f"all_gather_sequence: shard length tensor.shape[{dim}]={n} must be the local "
+                f"sequence length {local} or a whole fraction of it"
+            )
+    elif validate and not _compiling():
+        _check_equal_shapes(tensor, info, "all_gather_sequence")
+    if not differentiable:
+        tensor = tensor.detach()
+    # Gather along dim 0 and move the axis back: funcol's own dim != 0 path returns a view whose
+    # wait() drops the autograd edge in eager mode (torch 2.13), which would silently cut K/V
+    # gradients. Rank-order concatenation is the same either way.
+    front = tensor.movedim(dim, 0).contiguous()
+    gathered = _wait(funcol.all_gather_single(front, 0, info.group))
+    return gathered.movedim(0, dim)
+
+
+def _check_equal_shapes(tensor: torch.Tensor, info: GroupInfo, what: str) -> None:
+    shape = torch.tensor([tensor.dim(), *tensor.shape, *([0] * (8 - tensor.dim()))])
+    shapes = _wait(funcol.all_gather_single(shape.to(tensor.device), 0, info.group))
+    shapes = shapes.view(info.size, -1).cpu()
+    if not bool((shapes == shapes[0]).all()):
+        rows = [tuple(s[1 : 1 + int(s[0])].tolist()) for s in shapes]
+        raise ValueError(f"{what}: shards must have equal shapes on every rank, got {rows}")
+
+
+# ---------------------------------------------------------------------------------------------
+# backward anchor
+# ---------------------------------------------------------------------------------------------
+class _BackwardAnchor(torch.autograd.Function):
+    """Zero forward; zero gradient to ``gathered`` in backward, so its backward collective runs."""
+
+    @staticmethod
+    def forward(ctx, gathered: torch.Tensor) -> torch.Tensor:
+        ctx.shape, ctx.dtype = gathered.shape, gathered.dtype
+        return gathered.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output.new_zeros(ctx.shape, dtype=ctx.dtype)
+
+
+def all_gather_backward_anchor(gathered: torch.Tensor) -> torch.Tensor:
+    """A zero-valued scalar with a backward edge to ``gathered``.
+
+    A rank whose loss does not depend on a gathered tensor (for example a rank holding only
+    padding) would skip the gather's backward reduce-scatter while the other ranks wait in it: a
+    hang. ``loss = loss + all_gather_backward_anchor(kv)`` changes no value and no gradient
+    (unlike ``0 * kv.sum()`` it stays zero when ``kv`` holds inf/NaN) but makes every rank
+    join the collective.
+
+    Returns a 0-d tensor of ``gathered``'s dtype and device.
+    """
+    if not gathered.requires_grad:
+        return gathered.new_zeros(())
+    return _BackwardAnchor.apply(gathered)
+
+
+# ---------------------------------------------------------------------------------------------
+# left halo
+# ---------------------------------------------------------------------------------------------
+def halo_plan(cp_size: int, local_len: int, history: int) -> list[tuple[list[int], list[int]]]:
+    """Static all-to-all plan of :func:`left_halo`: per rank, ``(send_sizes, recv_sizes)``.
+
+    Rank ``j`` sends rank ``r > j`` the part of its interval ``[j*L, (j+1)*L)`` that overlaps
+    ``r``'s halo window ``[r*L - history, r*L)``: its last ``min(L, ...)`` tokens. With
+    ``history <= L`` that is just ``history`` tokens to ``j + 1``.
+
+    >>> halo_plan(3, 4, 2)
+    [([0, 2, 0], [0, 0, 0]), ([0, 0, 2], [2, 0, 0]), ([0, 0, 0], [0, 2, 0])]
+    """
+
+    def overlap(src: int, dst: int) -> int:
+        if src >= dst:
+            return 0
+        lo = max(src * local_len, dst * local_len - history)
+        return max(0, (src + 1) * local_len - lo)
+
+    return [
+        ([overlap(r, d) for d in range(cp_size)], [overlap(s, r) for s in range(cp_size)])
+        for r in range(cp_size)
+    ]
+
+
+def left_halo(tensor: torch.Tensor, context: PackedContext, history: int) -> torch.Tensor:
+    """The ``history`` global tokens immediately before this rank's interval.
+
+    Args:
+        tensor: ``[batch, local_seq, *channels]``, this rank's shard.
+        context: the rank's ``PackedContext`` (group, rank, local length).
+        history: how many preceding tokens are needed; may exceed ``local_seq`` (the halo then
+            spans several earlier ranks).
+
+    Returns:
+        ``[batch, history, *channels]``, same dtype; zero-padded on the left where the global
+        sequence starts (always all zeros on rank 0 and without CP). Documents are not masked here:
+        operators mask by the replicated doc-id map.
+
+    Bytes: one ``all_to_all_single`` with static splits from :func:`halo_plan`; each rank sends
+    ``min(history, (world-1-r) * L)``-ish tokens, i.e. ``history`` tokens when ``history <= L``,
+    never the ``O(world * history)`` of an all-gather. Gradients of halo values flow back to the
+    owning ranks through the all-to-all's backward (the same exchange, reversed).
+    """
+    if history < 0:
+        raise ValueError(f"left_halo: history must be >= 0, got {history}")
+    batch, local_len = tensor.shape[0], tensor.shape[1]
+    if local_len != context.local_seq_len:
+        raise ValueError(
+            f"left_halo: tensor.shape[1]={local_len} != context.local_seq_len="
+            f"{context.local_seq_len}"
+        )
+    rest = tensor.shape[2:]
+    if not context.cp_enabled or history == 0:
+        return tensor.new_zeros(batch, history, *rest)
+    send, recv = halo_plan(context.cp_size, local_len, history)[context.cp_rank]
+    seq_first = tensor.movedim(1, 0)  # all_to_all splits along dim 0
+    pieces = [seq_first[local_len - n :] for n in send if n]
+    send_buf = torch.cat(pieces, 0) if pieces else seq_first[:0]
+    got = _wait(
+        funcol.all_to_all_single(send_buf.contiguous(), recv, send, context.group)
+    )  # [sum(recv), batch, *rest], in source-rank order = global order
+    got = got.movedim(0, 1)
+    missing = history - sum(recv)
+    if missing:
+        got = torch.cat([got.new_zeros(batch, missing, *rest), got], 1)
+    return got
+
+
+# ---------------------------------------------------------------------------------------------
+# state chain
+# ---------------------------------------------------------------------------------------------
+def state_chain(
+    transition: torch.Tensor, state: torch.Tensor, context: PackedContext | Any
+) -> torch.Tensor:
+    """Incoming state of this rank for a linear recurrence split across ranks.
+
+    Each rank ``r`` ran its shard from a zero state and reports
+
+    * ``transition`` ``M_r``: ``[..., K, K]``, the linear map its shard applies to an incoming
+      state (a document start inside the shard makes it zero),
+    * ``state`` ``S_r``: ``[..., K, V]``, the state its shard reaches from zero,
+
+    so that ``S_out(r) = M_r @ S_in(r) + S_r``. This returns
+    ``S_in(r) = M_{r-1} (... (M_1 S_0 + S_1) ...) + S_{r-1}`` (zeros on rank 0 and without CP),
+    as fp32 ``[..., K, V]``.
+
+    One all-gather of the fp32 ``[..., K, K + V]`` block (static shape, independent of where
+    documents start); the chain over earlier ranks is then evaluated locally in fp32.
+    Differentiable with respect to every rank's ``M`` and ``S`` (backward: one reduce-scatter).
+
+    ``context`` is a ``PackedContext`` (or a ``GroupInfo``).
+    """
+    if transition.shape[-1] != transition.shape[-2] or transition.shape[-1] != state.shape[-2]:
+        raise ValueError(
+            f"state_chain: transition {tuple(transition.shape)} must be [..., K, K] and state "
+            f"{tuple(state.shape)} [..., K, V] with the same K"
+        )
+    if transition.shape[:-2] != state.shape[:-2]:
+        raise ValueError(
+            f"state_chain: leading dims differ: transition {tuple(transition.shape[:-2])} vs "
+            f"state {tuple(state.shape[:-2])}"
+        )
+    info = context.group_info if isinstance(context, PackedContext) else _info(context)
+    zero = state.new_zeros(state.shape, dtype=torch.float32)
+    if info.group is None:
+        return zero
+    k = transition.shape[-1]
+    block = torch.cat([transition.float(), state.float()], -1).unsqueeze(0)
+    blocks = _wait(funcol.all_gather_single(block.contiguous(), 0, info.group))
+    # Rank 0 uses none of the gathered blocks; the anchor keeps it in the backward collective.
+    acc = zero + all_gather_backward_anchor(blocks)
+    for j in range(info.rank):  # static: the rank is a Python int
+        acc = blocks[j, ..., :k] @ acc + blocks[j, ..., k:]
+    return acc

@@ -1,0 +1,186 @@
+"""Unit tests of fcp.comm: the anchor's purpose, validation, bytes moved, compile and graph shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fcp.comm import (
+    all_gather_backward_anchor,
+    all_gather_sequence,
+    halo_plan,
+    left_halo,
+    state_chain,
+)
+from fcp.context import PackedContext
+from fcp.testing import RankError
+from tests import _comm_rank_fns as fns
+
+
+# ------------------------------------------------------------------ CP off: identities
+def test_cp_off_functions_are_identities_without_a_process_group():
+    x = torch.randn(2, 5, 3, requires_grad=True)
+    ctx = PackedContext(torch.ones(2, 5, dtype=torch.long))
+    assert all_gather_sequence(x, None) is x
+    assert all_gather_sequence(x, ctx) is x
+    halo = left_halo(x, ctx, 3)
+    assert halo.shape == (2, 3, 3) and not halo.any()
+    s_in = state_chain(torch.randn(2, 4, 4), torch.randn(2, 4, 6, dtype=torch.bfloat16), ctx)
+    assert s_in.dtype == torch.float32 and s_in.shape == (2, 4, 6) and not s_in.any()
+
+
+def test_halo_plan_sends_history_tokens_to_the_next_rank_only():
+    assert halo_plan(3, 4, 2) == [([0, 2, 0], [0, 0, 0]), ([0, 0, 2], [2, 0, 0]),
+                                  ([0, 0, 0], [0, 2, 0])]
+    # history 6 > local 4: rank 2 receives 2 tokens from rank 0 and 4 from rank 1
+    plan = halo_plan(3, 4, 6)
+    assert plan[2][1] == [2, 4, 0]
+    assert plan[0][0] == [0, 4, 2]
+    for send, recv in plan:
+        assert len(send) == len(recv) == 3
+
+
+def test_state_chain_rejects_mismatched_shapes():
+    ctx = PackedContext(torch.ones(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="K, K"):
+        state_chain(torch.randn(3, 4), torch.randn(3, 2), ctx)
+    with pytest.raises(ValueError, match="leading dims"):
+        state_chain(torch.randn(2, 3, 3), torch.randn(5, 3, 2), ctx)
+
+
+def test_anchor_is_zero_with_zero_gradient_even_for_nonfinite_values():
+    g = torch.tensor([1.0, float("inf"), float("nan")], requires_grad=True)
+    a = all_gather_backward_anchor(g)
+    assert a.shape == () and a.item() == 0.0
+    a.backward()
+    assert torch.equal(g.grad, torch.zeros(3))
+
+
+# ------------------------------------------------------------------ multi-rank behaviour
+def test_anchor_lets_an_idle_rank_join_the_backward_collective(rank_pool):
+    full = torch.randn(1, 6, 2)
+    results = rank_pool.run(fns.anchor_case, 3, full, 2, True)
+    # Reference: rank r != 2 has loss (r+1) * sum(full); rank 2 has 2 * sum(x_2).
+    # Gradient of x_r = sum over ranks of d loss_r' / d x_r.
+    for rank, (loss, grad) in enumerate(results):
+        expect = torch.full_like(grad, 1.0 + 2.0)  # ranks 0 and 1 weigh every slice by 1 and 2
+        if rank == 2:
+            expect = expect + 2.0
+            torch.testing.assert_close(loss, full[:, 4:6].sum() * 2)
+        torch.testing.assert_close(grad, expect)
+
+
+def test_without_the_anchor_the_idle_rank_hangs_the_backward(rank_pool):
+    full = torch.randn(1, 6, 2)
+    with pytest.raises(RankError):
+        rank_pool.run(fns.anchor_case, 3, full, 2, False, timeout=4.0)
+    # the pool recovers for the next example
+    assert len(rank_pool.run(fns.anchor_case, 3, full, 2, True)) == 3
+
+
+def test_gather_rejects_unequal_shards_on_every_rank(rank_pool):
+    results = rank_pool.run(fns.gather_unequal, 2, return_exceptions=True)
+    for err in results:
+        assert isinstance(err, ValueError) and "equal shapes" in str(err)
+
+
+def test_gather_not_differentiable_detaches(rank_pool):
+    full = torch.arange(8).view(1, 8)
+    for out, requires_grad in rank_pool.run(fns.gather_not_differentiable, 4, full):
+        assert torch.equal(out, full) and not requires_grad
+
+
+def test_gather_checks_compressed_fraction_statically():
+    ctx = PackedContext(torch.ones(1, 8, dtype=torch.long), group=object(), cp_size=2)
+    with pytest.raises(ValueError, match="whole fraction"):
+        all_gather_sequence(torch.zeros(1, 3, 2), ctx, dim=1)
+
+
+@pytest.mark.parametrize("history", [2, 5])
+def test_halo_sends_only_history_tokens(rank_pool, history):
+    local, channels, world = 8, 16, 4
+    counts = rank_pool.run(fns.halo_bytes, world, local, history, channels)
+    token_bytes = channels * 4
+    for rank, c in enumerate(counts):
+        assert c["ops"] == ["_c10d_functional.all_to_all_single.default"]
+        assert c["send"] == (history * token_bytes if rank < world - 1 else 0)
+        assert c["recv"] == (history * token_bytes if rank > 0 else 0)
+
+
+def test_collectives_compiled_equal_eager(rank_pool):
+    full = torch.randn(1, 4 * 3, 3)
+    for (eager_loss, eager_grad), (comp_loss, comp_grad) in rank_pool.run(
+        fns.compiled_vs_eager, 3, full, 5
+    ):
+        torch.testing.assert_close(comp_loss, eager_loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(comp_grad, eager_grad, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ graph shape (fake PG)
+@pytest.fixture
+def fake_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+SYNC_OPS = ("_local_scalar_dense", "aten.nonzero", "masked_select", "aten.item")
+
+
+def _capture(fn, *args):
+    """Forward and backward ATen graphs of ``fn`` compiled with fullgraph=True."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {"fw": [], "bw": []}
+
+    def keep(kind):
+        def compiler(gm, _):
+            graphs[kind].append(gm)
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    out.sum().backward()
+    return graphs
+
+
+def _ops(gms):
+    return [str(n.target) for gm in gms for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize(
+    "name, fw_expected, bw_expected",
+    [
+        ("gather", {"all_gather_into_tensor": 1}, {"reduce_scatter_tensor": 1}),
+        ("halo", {"all_to_all_single": 1}, {"all_to_all_single": 1}),
+        ("chain", {"all_gather_into_tensor": 1}, {"reduce_scatter_tensor": 1}),
+    ],
+)
+def test_graph_has_exactly_the_expected_collectives_and_no_sync(fake_group, name, fw_expected,
+                                                                bw_expected):
+    ctx = PackedContext(torch.ones(2, 32, dtype=torch.long), group=fake_group, cp_size=4,
+                        cp_rank=1)
+    fn = {
+        "gather": lambda x: all_gather_sequence(x, ctx, dim=1),
+        "halo": lambda x: left_halo(x, ctx, 3),
+        "chain": lambda x: state_chain(x[0, :3, :3], x[0, :3, :], ctx),
+    }[name]
+    x = torch.randn(2, 8, 3, requires_grad=True)
+    graphs = _capture(fn, x)
+    assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1  # one graph each: no graph break
+    for kind, expected in (("fw", fw_expected), ("bw", bw_expected)):
+        ops = _ops(graphs[kind])
+        collectives = [o for o in ops if "_c10d_functional" in o and "wait_tensor" not in o]
+        for op_name, count in expected.items():
+            assert sum(op_name in o for o in collectives) == count, (kind, collectives)
+        assert len(collectives) == sum(expected.values()), (kind, collectives)
+        assert not [o for o in ops if any(s in o for s in SYNC_OPS)], (kind, ops)
