@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from fcp.groups import GroupInfo
 from fcp.layout import (
     doc_ids_from_seq_lens,
     position_ids_from_doc_ids,
@@ -59,8 +60,18 @@ def main() -> None:
     doc_ids = doc_ids_from_seq_lens(seq_lens, args.tokens)
     assert int(doc_ids[0, -1]) == args.docs
 
+    from fcp.shard import shard_batch
+
+    ids = torch.randint(0, 256, (1, args.tokens))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "seq_lens": seq_lens}
+    # Each CP rank runs the same host-side planning on the replicated batch; GroupInfo stands in
+    # for an 8-rank group (shard_batch issues no collective, so no processes are needed).
+    ranks = [GroupInfo(object(), 8, r) for r in range(8)]
+
     cases = {
         "torch.cumsum (baseline)": lambda: torch.cumsum(doc_ids, dim=-1),
+        "shard_batch, one of 8 ranks": lambda: shard_batch(ranks[3], None, batch),
+        "shard_batch, all 8 ranks": lambda: [shard_batch(g, None, batch) for g in ranks],
         "doc_ids_from_seq_lens": lambda: doc_ids_from_seq_lens(seq_lens, args.tokens),
         "segment_cu_seqlens": lambda: segment_cu_seqlens(doc_ids[0]),
         "position_ids_from_doc_ids": lambda: position_ids_from_doc_ids(doc_ids),
@@ -74,6 +85,7 @@ def main() -> None:
     )
     for name, t in medians.items():
         print(f"  {name:28s} {t * 1e3:9.3f} ms   {t / baseline:6.1f}x cumsum")
+
 
 if __name__ == "__main__":
     main()
