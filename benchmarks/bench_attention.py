@@ -1,0 +1,161 @@
+"""Attention operators under CP on gloo ranks: bytes moved and time versus one process.
+
+    .venv/bin/python benchmarks/bench_attention.py [--lengths 512 1024 2048] [--worlds 2 4]
+                                                   [--repeats 5]
+
+1. Bytes received per rank in the forward pass, for each operator, next to a full K/V all-gather
+   (what a naive CP attention moves): computed from the shapes and measured by counting the
+   funcol collectives' buffers with a dispatch hook (the backward reduce-scatter mirrors the
+   differentiable gathers). ``compressed`` moves ``1/ratio`` of K/V plus a ``window - 1`` halo;
+   ``sparse`` moves the full K/V plus one pooled fp32 index key per block.
+2. Forward + backward time of each operator on ``world`` CP ranks (max over ranks of the median)
+   versus the same global batch in one process, at growing global lengths, as a ratio
+   ``single / CP`` (> 1: CP is faster). Every process runs with one intra-op thread, so the ratio
+   reads as "work split across ranks + communication"; on a machine with fewer free cores than
+   ranks, the ranks share cores and the ratio is pessimistic.
+
+Shapes: batch 1, heads 4, kv_heads 2, D 32, fp32; random packings with a pad tail;
+``compressed``: ratio 4, window 16; ``sparse``: block 16, topk 8, 4 index heads of dim 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from fcp.context import PackedContext
+from fcp.layout import doc_ids_from_seq_lens
+from fcp.ops.attention import compressed_attention, doc_causal_attention, sparse_attention
+from fcp.testing import RankPool
+
+HEADS, KV_HEADS, DIM, INDEX_HEADS, INDEX_DIM = 4, 2, 32, 4, 16
+RATIO, WINDOW, BLOCK, TOPK = 4, 16, 16, 8
+OPS = ("doc_causal", "compressed", "sparse")
+
+
+def make_batch(seq: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lens, left = [], seq - seq // 16  # a pad tail of seq/16 tokens
+    while left > 0:
+        lens.append(min(left, int(torch.randint(1, seq // 4, (), generator=g))))
+        left -= lens[-1]
+    doc_ids = doc_ids_from_seq_lens(torch.tensor([lens]), seq)
+
+    def r(*shape):
+        return torch.randn(1, seq, *shape, generator=g)
+
+    t = dict(q=r(HEADS, DIM), k=r(KV_HEADS, DIM), v=r(KV_HEADS, DIM),
+             index_q=r(INDEX_HEADS, INDEX_DIM), index_k=r(INDEX_DIM), index_weights=r(INDEX_HEADS))
+    return doc_ids, t
+
+
+def run_op(name, t, ctx):
+    if name == "doc_causal":
+        return doc_causal_attention(t["q"], t["k"], t["v"], ctx)
+    if name == "compressed":
+        return compressed_attention(t["q"], t["k"], t["v"], ctx, ratio=RATIO, window=WINDOW)
+    return sparse_attention(t["q"], t["k"], t["v"], t["index_q"], t["index_k"], t["index_weights"],
+                            ctx, block=BLOCK, topk=TOPK)
+
+
+def fwd_bwd(name, full, ctx):
+    sl = slice(ctx.seq_start, ctx.seq_end)
+    t = {n: x[:, sl].clone().requires_grad_(n in ("q", "k", "v")) for n, x in full.items()}
+    run_op(name, t, ctx).sum().backward()
+
+
+def predicted_bytes(name: str, world: int, local: int) -> tuple[int, int]:
+    """(operator, full K/V all-gather) bytes received per rank in the forward, from shapes."""
+    kv_token = KV_HEADS * 2 * DIM * 4
+    full = (world - 1) * local * kv_token
+    if name == "doc_causal":
+        return full, full
+    if name == "compressed":  # the last rank's halo is the full window - 1 tokens
+        return (world - 1) * (local // RATIO) * kv_token + (WINDOW - 1) * kv_token, full
+    return full + (world - 1) * (local // BLOCK) * INDEX_DIM * 4, full
+
+
+def count_bytes(name, full, ctx) -> int:
+    """Bytes this rank receives from collectives in one forward (dispatch hook on funcol ops)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    got = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            op = str(func)
+            if "_c10d_functional" in op and "all_gather" in op:
+                got[0] += (out.numel() - args[0].numel()) * out.element_size()
+            elif "_c10d_functional" in op and "all_to_all" in op:
+                got[0] += out.numel() * out.element_size()
+            return out
+
+    sl = slice(ctx.seq_start, ctx.seq_end)
+    with torch.no_grad(), Count():
+        run_op(name, {n: x[:, sl] for n, x in full.items()}, ctx)
+    return got[0]
+
+
+def _median_time(fn, repeats, group=None):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if group is not None:
+            dist.barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cp_job(env, name, seq, repeats):
+    torch.set_num_threads(1)
+    doc_ids, full = make_batch(seq)
+    ctx = PackedContext(doc_ids, group=env.group, cp_size=env.world_size, cp_rank=env.rank)
+    received = count_bytes(name, full, ctx)
+    return _median_time(lambda: fwd_bwd(name, full, ctx), repeats, env.group), received
+
+
+def single_job(env, name, seq, repeats):
+    torch.set_num_threads(1)
+    doc_ids, full = make_batch(seq)
+    return _median_time(lambda: fwd_bwd(name, full, PackedContext(doc_ids)), repeats)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    rows = []
+    with RankPool(max_world_size=max(args.worlds), timeout=600) as pool:
+        print("# forward bytes received per rank (fp32): operator vs full K/V all-gather")
+        print(f"{'op':>10} {'world':>5} {'seq':>6} {'predicted':>10} {'measured':>10} "
+              f"{'full K/V':>10} {'op/full':>8}")
+        print("# per-op forward+backward time: single process vs CP (1 thread per process)")
+        for seq in args.lengths:
+            for name in OPS:
+                t_single = pool.run(single_job, 1, name, seq, args.repeats)[0]
+                for world in args.worlds:
+                    res = pool.run(cp_job, world, name, seq, args.repeats)
+                    t_cp = max(r[0] for r in res)
+                    measured = max(r[1] for r in res)
+                    pred, full = predicted_bytes(name, world, seq // world)
+                    rows.append(dict(op=name, world=world, seq=seq, single_ms=t_single * 1e3,
+                                     cp_ms=t_cp * 1e3, speedup=t_single / t_cp,
+                                     predicted_bytes=pred, measured_bytes=measured,
+                                     full_kv_bytes=full))
+                    print(f"{name:>10} {world:5d} {seq:6d} {pred:10d} {measured:10d} {full:10d} "
+                          f"{pred / full:8.3f}   single {t_single*1e3:8.1f} ms  CP "
+                          f"{t_cp*1e3:8.1f} ms  single/CP {t_single / t_cp:5.2f}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

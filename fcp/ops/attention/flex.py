@@ -1,0 +1,105 @@
+"""FlexAttention backend (CUDA), fed the same K/V and the same masks as the dense backend.
+
+Every operator reduces to one rule per key, so one mask_mod serves all three::
+
+    visible(t, key) = key_doc[key] == doc(t) != 0  and  q_lo[key] <= t <= q_hi[key]
+                      [and, for sparse attention, key's block selected for t or t's own block]
+
+with ``t`` the *local* query index and per-key int64 bounds:
+
+* doc-causal key at global position ``s``: ``q_lo = s - seq_start``, ``q_hi = +inf``;
+* compressed block ``b``: ``q_lo = (b+1)*ratio - seq_start`` (the block ends before ``t``);
+* window key ``j`` of ``cat(halo, local)``: ``j - (window-1) <= t <= j``.
+
+Pad queries have empty rows; FlexAttention returns zeros for them (as the dense backend does) and
+no gradient. Softmax statistics are fp32 inside the kernel for bf16 inputs.
+
+Selection: ``MODE = "auto"`` (CUDA tensors use Flex), ``"off"`` (always dense) or ``"force"``
+(Flex on any device; FlexAttention has no CPU backward, so on CPU only gradient-free calls work:
+the tests use this to check the masks against the dense backend).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["MODE", "available", "use_flex", "flex_attend", "UNBOUNDED"]
+
+MODE = "auto"
+UNBOUNDED = 2**62
+_compiled_flex = None
+
+
+def available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:  # pragma: no cover - very old torch
+        return False
+    return True
+
+
+def use_flex(q: torch.Tensor) -> bool:
+    if MODE == "off" or not available():
+        return False
+    return MODE == "force" or q.is_cuda
+
+
+def _kernel(q: torch.Tensor):
+    """``flex_attention``; outside an outer ``torch.compile`` on CUDA, a compiled (fused) one
+    (eager FlexAttention materialises the scores)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling() or not q.is_cuda:
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def flex_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_q: torch.Tensor,
+    key_doc: torch.Tensor,
+    q_lo: torch.Tensor,
+    q_hi: torch.Tensor,
+    scale: float,
+    selected: torch.Tensor | None = None,
+    block: int = 1,
+    seq_start: int = 0,
+) -> torch.Tensor:
+    """Masked attention with FlexAttention.
+
+    Args:
+        q: ``[batch, local, heads, D]``; ``k``, ``v``: ``[batch, keys, kv_heads, D]``.
+        doc_q: ``[batch, local]`` query doc ids; ``key_doc``: ``[batch, keys]``.
+        q_lo, q_hi: int64 ``[keys]``, the local query range that may see each key.
+        selected: optional bool ``[batch, local, blocks]`` (sparse attention): key ``s`` (global
+            position ``s``) is also required to lie in a selected block or in the query's own
+            block ``(t + seq_start) // block``.
+
+    Returns ``[batch, local, heads, Dv]`` in ``q``'s dtype.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, qi, ki):
+        dq = doc_q[b, qi]
+        keep = (key_doc[b, ki] == dq) & (dq != 0) & (q_lo[ki] <= qi) & (qi <= q_hi[ki])
+        if selected is not None:
+            kb = ki // block
+            keep = keep & (selected[b, qi, kb] | (kb == (qi + seq_start) // block))
+        return keep
+
+    batch, lq, heads = q.shape[:3]
+    mask = create_block_mask(mask_mod, batch, None, lq, k.shape[1], device=q.device)
+    out = _kernel(q)(
+        q.transpose(1, 2),
+        k.to(q.dtype).transpose(1, 2),
+        v.to(q.dtype).transpose(1, 2),
+        block_mask=mask,
+        scale=scale,
+        enable_gqa=heads != k.shape[2],
+    )
+    return out.transpose(1, 2).to(q.dtype)

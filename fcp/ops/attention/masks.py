@@ -1,0 +1,100 @@
+"""Attention masks built from the replicated doc-id map (static shapes, no host sync).
+
+Every mask here is a bool tensor computed from ``PackedContext.doc_ids`` with static slicing and
+comparisons only, so a compiled graph sees the same shapes for every packing and never reads a
+doc id on the host. Conventions:
+
+* documents are numbered 1, 2, ... per row; pad tokens are ``PAD_DOC_ID`` (0);
+* a pad **query** sees nothing (its row of the mask is all False; the dense backend then returns
+  exact zeros for it, with zero gradient);
+* positions outside ``[0, global_seq)`` get doc id ``-1`` (:data:`OUTSIDE`), which matches nothing.
+
+Worked example (one row, ``doc_ids = [[1, 1, 2, 2, 2, 0]]``)::
+
+    doc_causal_mask(doc_q=[1,1,2,2,2,0], q_pos=0..5, doc_k=same, k_pos=0..5) ->
+        t=0: 1 0 0 0 0 0        t=3: 0 0 1 1 0 0
+        t=1: 1 1 0 0 0 0        t=4: 0 0 1 1 1 0
+        t=2: 0 0 1 0 0 0        t=5: 0 0 0 0 0 0   (pad query: empty row)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcp.layout import PAD_DOC_ID
+
+__all__ = [
+    "OUTSIDE",
+    "doc_ids_window",
+    "doc_causal_mask",
+    "full_block_doc_ids",
+    "last_doc_of_blocks",
+    "same_doc",
+]
+
+OUTSIDE = -1
+
+
+def doc_ids_window(doc_ids: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """int64 ``[batch, length]``: doc ids of global positions ``start .. start + length - 1``.
+
+    ``start`` and ``length`` are Python ints (static); positions outside the map get ``OUTSIDE``.
+
+    >>> doc_ids_window(torch.tensor([[1, 1, 2]]), -2, 6).tolist()
+    [[-1, -1, 1, 1, 2, -1]]
+    """
+    total = doc_ids.shape[1]
+    left, right = max(0, -start), max(0, start + length - total)
+    lo, hi = max(0, start), min(total, start + length)
+    parts = []
+    if left:
+        parts.append(doc_ids.new_full((doc_ids.shape[0], left), OUTSIDE))
+    parts.append(doc_ids[:, lo:max(lo, hi)])
+    if right:
+        parts.append(doc_ids.new_full((doc_ids.shape[0], right), OUTSIDE))
+    return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+
+
+def same_doc(doc_q: torch.Tensor, doc_k: torch.Tensor) -> torch.Tensor:
+    """bool: ``doc_k == doc_q`` and the query is real; ``doc_q`` ``[b, q]`` is broadcast over the
+    trailing key axis of ``doc_k`` (``[b, k]`` shared keys or ``[b, q, k]`` per-query keys)."""
+    dq = doc_q[..., None]
+    if doc_k.dim() == 2:
+        doc_k = doc_k[:, None, :]
+    return (doc_k == dq) & (dq != PAD_DOC_ID)
+
+
+def doc_causal_mask(
+    doc_q: torch.Tensor, q_pos: torch.Tensor, doc_k: torch.Tensor, k_pos: torch.Tensor
+) -> torch.Tensor:
+    """bool ``[batch, q, k]``: key ``s`` is in the (real) document of query ``t`` and ``s <= t``.
+
+    ``doc_q`` ``[batch, q]``, ``doc_k`` ``[batch, k]``; ``q_pos`` ``[q]`` and ``k_pos`` ``[k]`` are
+    global positions.
+    """
+    return same_doc(doc_q, doc_k) & (k_pos[None, :] <= q_pos[:, None])[None]
+
+
+def full_block_doc_ids(doc_ids: torch.Tensor, block: int, num_blocks: int) -> torch.Tensor:
+    """int64 ``[batch, num_blocks]``: the doc id of block ``b`` (global positions
+    ``[b*block, (b+1)*block)``) if all its tokens are in one document, else ``OUTSIDE``.
+
+    Documents are contiguous runs, so "first token's doc == last token's doc" is enough.
+
+    >>> full_block_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 2, 0, 0]]), 2, 4).tolist()
+    [[1, -1, 2, 0]]
+    """
+    end = num_blocks * block
+    first = doc_ids[:, 0:end:block]
+    last = doc_ids[:, block - 1 : end : block]
+    return torch.where(first == last, first, OUTSIDE)
+
+
+def last_doc_of_blocks(doc_ids: torch.Tensor, block: int, num_blocks: int) -> torch.Tensor:
+    """int64 ``[batch, num_blocks]``: the doc id of each block's last token.
+
+    Only a block's last document can continue past it, so for a query ``t`` after block ``b`` the
+    tokens of ``doc(t)`` inside ``b`` are exactly the block's last-document segment (when
+    ``doc(t)`` equals this id) or nothing.
+    """
+    return doc_ids[:, block - 1 : num_blocks * block : block]

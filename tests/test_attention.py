@@ -1,0 +1,541 @@
+"""Unit tests for fcp.ops.attention.
+
+Each operator is checked against an independent float64 reference written straight from its
+definition (one query at a time, Python loops over keys/blocks), forward and q/k/v gradients;
+then isolation between documents and causality (bitwise), pad handling, the sparse indexer's
+ties and missing candidates, argument errors, CP on real gloo groups, and torch.compile.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fcp.context import PackedContext
+from fcp.layout import doc_ids_from_seq_lens
+from tests import _attention_rank_fns as fns
+
+FP32 = dict(atol=1e-5, rtol=1e-5)
+
+
+# ============================================================================ references
+def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """kv-head tensor ``[..., hkv, d]`` -> query-head tensor ``[..., hkv * groups, d]``."""
+    return x.repeat_interleave(groups, dim=-2)
+
+
+def _softmax_row(qt, keys, vals, scale):
+    """float64 attention of one query ``[H, D]`` over ``keys``/``vals`` lists of ``[H, D]``."""
+    if not keys:  # pad query: zeros (still attached to q, so autograd always has a graph)
+        return qt * 0.0
+    kk, vv = torch.stack(keys), torch.stack(vals)  # [n, H, D]
+    s = torch.einsum("hd,nhd->hn", qt, kk) * scale
+    return torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vv)
+
+
+def _prep(q, k, v, scale):
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[2] // k.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return q, _heads(k, g), _heads(v, g), scale
+
+
+def ref_doc_causal(q, k, v, doc_ids, scale=None):
+    q, k, v, scale = _prep(q, k, v, scale)
+    batch, seq = doc_ids.shape
+    rows = []
+    for b in range(batch):
+        for t in range(seq):
+            d = int(doc_ids[b, t])
+            keys = [s for s in range(t + 1) if d != 0 and int(doc_ids[b, s]) == d]
+            rows.append(_row(q[b, t], k[b], v[b], keys, scale))
+    return torch.stack(rows).view(batch, seq, *rows[0].shape)
+
+
+def _row(qt, k, v, keys, scale):
+    return _softmax_row(qt, [k[s] for s in keys], [v[s] for s in keys], scale)
+
+
+def ref_compressed(q, k, v, doc_ids, ratio=4, window=None, scale=None):
+    window = ratio if window is None else window
+    q, k, v, scale = _prep(q, k, v, scale)
+    batch, seq = doc_ids.shape
+    rows = []
+    for b in range(batch):
+        doc = [int(x) for x in doc_ids[b]]
+        for t in range(seq):
+            keys, vals = [], []
+            if doc[t] != 0:
+                for blk in range(seq // ratio):
+                    toks = range(blk * ratio, (blk + 1) * ratio)
+                    if all(doc[s] == doc[t] for s in toks) and (blk + 1) * ratio <= t:
+                        keys.append(torch.stack([k[b, s] for s in toks]).mean(0))
+                        vals.append(torch.stack([v[b, s] for s in toks]).mean(0))
+                for s in range(max(0, t - window + 1), t + 1):
+                    if doc[s] == doc[t]:
+                        keys.append(k[b, s])
+                        vals.append(v[b, s])
+            rows.append(_softmax_row(q[b, t], keys, vals, scale))
+    return torch.stack(rows).view(batch, seq, *rows[0].shape)
+
+
+def ref_sparse_selection(index_q, index_k, index_weights, doc_ids, block, topk):
+    """Per (row, query): (selected blocks, ambiguous). Scores straight from the definition:
+    pooled over the block's tokens of doc(t); candidates: earlier blocks holding doc(t); ties to
+    the earlier block. ``ambiguous``: the top-k boundary is within float32 noise."""
+    iq, ik, w = index_q.double(), index_k.double(), index_weights.double()
+    batch, seq = doc_ids.shape
+    out = {}
+    for b in range(batch):
+        doc = [int(x) for x in doc_ids[b]]
+        for t in range(seq):
+            cands = []
+            for blk in range(t // block if doc[t] else 0):
+                toks = [s for s in range(blk * block, (blk + 1) * block) if doc[s] == doc[t]]
+                if toks:
+                    pooled = torch.stack([ik[b, s] for s in toks]).mean(0)
+                    args = iq[b, t] @ pooled  # [index_heads]
+                    cands.append((float((w[b, t] * torch.relu(args)).sum()), blk, args))
+            cands.sort(key=lambda c: (-c[0], c[1]))
+            ambiguous = False
+            if len(cands) > topk:
+                (s0, _, a0), (s1, _, a1) = cands[topk - 1], cands[topk]
+                exact_zero_tie = s0 == s1 == 0 and bool((a0 < -1e-4).all() & (a1 < -1e-4).all())
+                ambiguous = abs(s0 - s1) < 1e-4 and not exact_zero_tie
+            out[b, t] = ([c[1] for c in cands[:topk]], ambiguous)
+    return out
+
+
+def ref_sparse(q, k, v, index_q, index_k, index_weights, doc_ids, block=4, topk=16, scale=None):
+    """Returns (output, ambiguous)."""
+    sel = ref_sparse_selection(index_q, index_k, index_weights, doc_ids, block, topk)
+    q, k, v, scale = _prep(q, k, v, scale)
+    batch, seq = doc_ids.shape
+    rows, ambiguous = [], False
+    for b in range(batch):
+        doc = [int(x) for x in doc_ids[b]]
+        for t in range(seq):
+            blocks, amb = sel[b, t]
+            ambiguous |= amb
+            keys = [
+                s
+                for blk in sorted(blocks + [t // block])
+                for s in range(blk * block, min(seq, (blk + 1) * block))
+                if doc[t] != 0 and doc[s] == doc[t] and s <= t
+            ]
+            rows.append(_row(q[b, t], k[b], v[b], keys, scale))
+    return torch.stack(rows).view(batch, seq, *rows[0].shape), ambiguous
+
+
+# ============================================================================ helpers
+def packing(seq: int, *rows: list[int]) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    lens = torch.tensor([r + [-1000] * (width - len(r)) for r in rows], dtype=torch.long)
+    return doc_ids_from_seq_lens(lens, seq)
+
+
+def run_ref(name, inputs, doc_ids, kwargs):
+    t = {n: x.clone().double().requires_grad_(n in fns.QKV) for n, x in inputs.items()}
+    if name == "doc_causal":
+        out, amb = ref_doc_causal(t["q"], t["k"], t["v"], doc_ids, **kwargs), False
+    elif name == "compressed":
+        out, amb = ref_compressed(t["q"], t["k"], t["v"], doc_ids, **kwargs), False
+    else:
+        args = [t[n] for n in fns.QKV + fns.INDEX]
+        out, amb = ref_sparse(*args, doc_ids, **kwargs)
+    return out, t, amb
+
+
+def check_against_reference(name, inputs, doc_ids, kwargs, tol=FP32):
+    grad_out = torch.randn(inputs["q"].shape[:3] + inputs["v"].shape[3:], dtype=torch.float64)
+    out_ref, t, amb = run_ref(name, inputs, doc_ids, kwargs)
+    assert not amb, "test data has a near-tie at the top-k boundary; pick another seed"
+    (out_ref * grad_out).sum().backward()
+    got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out.float())
+    assert got["out"].dtype == inputs["q"].dtype
+    torch.testing.assert_close(got["out"].double(), out_ref, **tol)
+    for n in fns.QKV:
+        torch.testing.assert_close(got[n].double(), ref_grad(t[n]), **tol, msg=f"grad {n}")
+    return got
+
+
+def ref_grad(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x) if x.grad is None else x.grad
+
+
+# ============================================================================ reference equality
+PACKINGS = {
+    "one_doc": (16, [16]),
+    "pad_tail": (16, [5, 3, 6]),
+    "tiny_docs": (16, [1, 2, 1, 3, 1, 5, 1]),
+    "two_rows": (12, [7, 4], [2, 2, 2, 2, 2, 2]),
+    "all_pad_row": (8, [8], [0]),
+    "straddling_blocks": (24, [2, 11, 1, 9]),
+}
+CASES = [
+    ("doc_causal", {}),
+    ("doc_causal", {"scale": 0.3}),
+    ("compressed", {}),
+    ("compressed", {"ratio": 2, "window": 5}),
+    ("compressed", {"ratio": 3, "window": 1}),
+    ("compressed", {"ratio": 1, "window": 2}),
+    ("sparse", {}),
+    ("sparse", {"block": 2, "topk": 2}),
+    ("sparse", {"block": 3, "topk": 1}),
+    ("sparse", {"block": 1, "topk": 3}),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", CASES, ids=lambda x: str(x) if isinstance(x, dict) else x)
+@pytest.mark.parametrize("pack", list(PACKINGS))
+def test_matches_reference(name, kwargs, pack):
+    seq, *rows = PACKINGS[pack]
+    doc_ids = packing(seq, *rows)
+    for seed in range(20):  # the first seed without a near-tie at the sparse top-k boundary
+        inputs = fns.make_inputs(seed, len(rows), seq, heads=4, kv_heads=2, dim=4)
+        if not run_ref(name, inputs, doc_ids, kwargs)[2]:
+            break
+    check_against_reference(name, inputs, doc_ids, kwargs)
+
+
+@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("seq", [7, 11])
+def test_length_not_a_multiple_of_the_block(name, seq):
+    """Without CP any length works (a trailing partial block)."""
+    doc_ids = packing(seq, [3, seq - 4])
+    kwargs = {
+        "doc_causal": {},
+        "compressed": {"ratio": 4, "window": 3},
+        "sparse": {"block": 4, "topk": 1},
+    }
+    inputs = fns.make_inputs(1, 1, seq, heads=2, kv_heads=2, dim=8)
+    check_against_reference(name, inputs, doc_ids, kwargs[name])
+
+
+BF16 = dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("name", fns.OPS)
+def test_bf16(name):
+    """bf16 in, bf16 out and grads; fp32 softmax keeps them within bf16 rounding of the float64
+    reference (run on the same bf16-rounded inputs)."""
+    doc_ids = packing(16, [6, 1, 7])
+    inputs = fns.make_inputs(3, 1, 16, heads=4, kv_heads=1, dim=8, dtype=torch.bfloat16)
+    kwargs = {"sparse": {"block": 4, "topk": 1}}.get(name, {})
+    got = check_against_reference(name, inputs, doc_ids, kwargs, tol=BF16)
+    assert all(got[n].dtype == torch.bfloat16 for n in ("out",) + fns.QKV)
+
+
+# ============================================================================ masks and pads
+def _call(name, inputs, doc_ids, kwargs=None):
+    return fns.call_op(name, inputs, PackedContext(doc_ids), kwargs or {})
+
+
+@pytest.mark.parametrize("name", fns.OPS)
+def test_pad_queries_zero_and_no_gradient_into_real_tokens(name):
+    doc_ids = packing(12, [4, 3])
+    inputs = fns.make_inputs(0, 1, 12)
+    for n in fns.QKV:
+        inputs[n].requires_grad_()
+    out = _call(name, inputs, doc_ids)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:, 7:], torch.zeros_like(out[:, 7:]))
+    out[:, 7:].sum().backward()  # a loss on pad outputs only
+    for n in fns.QKV:
+        assert torch.isfinite(inputs[n].grad).all()
+        assert torch.equal(inputs[n].grad, torch.zeros_like(inputs[n].grad)), n
+
+
+@pytest.mark.parametrize("name", fns.OPS)
+def test_first_token_of_a_document_sees_only_itself(name):
+    """Everything masked but the query itself: the output is exactly v at that token."""
+    doc_ids = packing(8, [3, 5])
+    inputs = fns.make_inputs(0, 1, 8, heads=2, kv_heads=1)
+    out = _call(name, inputs, doc_ids)
+    for t in (0, 3):
+        torch.testing.assert_close(out[0, t], inputs["v"][0, t].expand(2, -1), atol=1e-6, rtol=0)
+
+
+def _perturb(inputs, positions):
+    new = {n: x.clone() for n, x in inputs.items()}
+    g = torch.Generator().manual_seed(123)
+    for n, x in new.items():
+        x[:, positions] = torch.randn(x[:, positions].shape, generator=g) * 3
+    return new
+
+
+ISOLATION_KWARGS = {
+    "doc_causal": {},
+    "compressed": {"ratio": 2, "window": 3},
+    "sparse": {"block": 2, "topk": 1},  # fewer picks than candidates: selection matters
+}
+
+
+@pytest.mark.parametrize("name", fns.OPS)
+def test_isolation_bitwise(name):
+    """Perturbing every input (index tensors too) of one document changes no other output."""
+    doc_ids = packing(24, [5, 7, 1, 6, 3])  # blocks straddle documents
+    for seed, d in itertools.product(range(3), range(1, 6)):
+        inputs = fns.make_inputs(seed, 1, 24, heads=2, kv_heads=1)
+        base = _call(name, inputs, doc_ids, ISOLATION_KWARGS[name])
+        mine = (doc_ids[0] == d).nonzero().flatten()
+        out = _call(name, _perturb(inputs, mine), doc_ids, ISOLATION_KWARGS[name])
+        others = doc_ids[0] != d
+        assert torch.equal(out[:, others], base[:, others]), f"doc {d} leaked (seed {seed})"
+        assert not torch.equal(out[:, mine], base[:, mine])
+
+
+@pytest.mark.parametrize("name", fns.OPS)
+def test_causality_bitwise(name):
+    """Perturbing tokens after t (all inputs) changes no output at or before t."""
+    doc_ids = packing(24, [20, 3])
+    inputs = fns.make_inputs(5, 1, 24, heads=2, kv_heads=1)
+    base = _call(name, inputs, doc_ids, ISOLATION_KWARGS[name])
+    for t in (0, 3, 8, 13, 19):
+        new = _perturb(inputs, torch.arange(t + 1, 24))
+        out = _call(name, new, doc_ids, ISOLATION_KWARGS[name])
+        assert torch.equal(out[:, : t + 1], base[:, : t + 1]), t
+
+
+# ============================================================================ sparse specifics
+def test_sparse_ties_go_to_the_earlier_block():
+    """All indexer scores equal (zero index keys): top-k picks the earliest candidates."""
+    seq, block = 16, 2
+    doc_ids = packing(seq, [16])
+    inputs = fns.make_inputs(0, 1, seq, heads=1, kv_heads=1)
+    inputs["index_k"].zero_()
+    kw = {"block": block, "topk": 2}
+    got = _call("sparse", inputs, doc_ids, kw)
+    q, k, v, scale = _prep(inputs["q"], inputs["k"], inputs["v"], None)
+    for t in range(seq):
+        keys = [s for blk in sorted({0, 1} & set(range(t // block)) | {t // block})
+                for s in range(blk * block, (blk + 1) * block) if s <= t]
+        want = _softmax_row(q[0, t], [k[0, s] for s in keys], [v[0, s] for s in keys], scale)
+        torch.testing.assert_close(got[0, t].double(), want, **FP32)
+
+
+def test_sparse_topk_larger_than_candidates_is_not_an_error():
+    doc_ids = packing(8, [8])
+    inputs = fns.make_inputs(0, 1, 8)
+    want = _call("doc_causal", inputs, doc_ids)
+    got = _call("sparse", inputs, doc_ids, {"block": 2, "topk": 64})  # every block selected
+    torch.testing.assert_close(got, want, **FP32)
+
+
+def test_sparse_index_inputs_get_no_gradient():
+    doc_ids = packing(8, [8])
+    inputs = fns.make_inputs(0, 1, 8)
+    for n in fns.QKV + fns.INDEX:
+        inputs[n].requires_grad_()
+    _call("sparse", inputs, doc_ids, {"block": 2, "topk": 1}).sum().backward()
+    assert all(inputs[n].grad is not None for n in fns.QKV)
+    assert all(inputs[n].grad is None for n in fns.INDEX)
+
+
+# ============================================================================ errors
+class _FakeGroup:
+    """Stands in for a ProcessGroup: the length checks run before any collective."""
+
+
+@pytest.mark.parametrize("name,kw,word", [("compressed", {"ratio": 4}, "ratio=4"),
+                                          ("sparse", {"block": 4}, "block=4")])
+def test_cp_local_length_must_be_a_multiple(name, kw, word):
+    doc_ids = packing(12, [12])
+    ctx = PackedContext(doc_ids, group=_FakeGroup(), cp_size=2, cp_rank=0)  # local 6
+    inputs = {n: x[:, :6] for n, x in fns.make_inputs(0, 1, 12).items()}
+    with pytest.raises(ValueError, match=word):
+        fns.call_op(name, inputs, ctx, kw)
+
+
+@pytest.mark.parametrize("bad", ["heads", "dim", "length", "index_k", "ratio"])
+def test_bad_arguments(bad):
+    doc_ids = packing(8, [8])
+    t = fns.make_inputs(0, 1, 8, heads=3, kv_heads=1)
+    ctx = PackedContext(doc_ids)
+    from fcp.ops.attention import compressed_attention, doc_causal_attention, sparse_attention
+
+    with pytest.raises(ValueError):
+        if bad == "heads":
+            k2, v2 = t["k"].expand(-1, -1, 2, -1), t["v"].expand(-1, -1, 2, -1)
+            doc_causal_attention(t["q"], k2, v2, ctx)  # 3 heads, 2 kv heads
+        elif bad == "dim":
+            doc_causal_attention(t["q"], t["k"][..., :2], t["v"], ctx)
+        elif bad == "length":
+            doc_causal_attention(t["q"][:, :4], t["k"][:, :4], t["v"][:, :4], ctx)
+        elif bad == "index_k":
+            sparse_attention(t["q"], t["k"], t["v"], t["index_q"], t["index_k"][..., None],
+                             t["index_weights"], ctx)
+        else:
+            compressed_attention(t["q"], t["k"], t["v"], ctx, ratio=0)
+
+
+# ============================================================================ CP (real gloo groups)
+CP_KWARGS = {
+    "doc_causal": {},
+    "compressed": {"ratio": 4, "window": 6},
+    "sparse": {"block": 4, "topk": 2},
+}
+
+
+@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cp_matches_single_process(rank_pool, name, world_size):
+    seq = 8 * world_size
+    doc_ids = packing(seq, [3, seq - 9, 2], [seq])  # documents spanning every rank; pad tail
+    inputs = fns.make_inputs(7, 2, seq, heads=4, kv_heads=2)
+    grad_out = torch.randn(2, seq, 4, 4)
+    want = fns.single_process(name, inputs, doc_ids, CP_KWARGS[name], grad_out)
+    res = rank_pool.run(fns.cp_rank, world_size, name, inputs, doc_ids, CP_KWARGS[name], grad_out)
+    for key in ("out",) + fns.QKV:
+        got = torch.cat([r[key] for r in res], 1)
+        torch.testing.assert_close(got, want[key], **FP32, msg=key)
+
+
+@pytest.mark.parametrize("name", fns.OPS)
+def test_cp_rank_holding_only_padding(rank_pool, name):
+    """Rank 1 holds only pad tokens and its loss ignores them: it still joins every backward
+    collective (RankPool fails on a hang or on unequal collective counts) and rank 0's
+    gradients are exact."""
+    doc_ids = packing(16, [3, 5])  # rank 1 (tokens 8..15) is all padding
+    inputs = fns.make_inputs(8, 1, 16, heads=2, kv_heads=1)
+    grad_out = torch.randn(1, 16, 2, 4) * (doc_ids != 0)[..., None, None]
+    want = fns.single_process(name, inputs, doc_ids, CP_KWARGS[name], grad_out)
+    res = rank_pool.run(fns.cp_rank, 2, name, inputs, doc_ids, CP_KWARGS[name], grad_out)
+    for key in ("out",) + fns.QKV:
+        torch.testing.assert_close(torch.cat([r[key] for r in res], 1), want[key], **FP32)
+    assert torch.equal(res[1]["out"], torch.zeros_like(res[1]["out"]))
+
+
+@pytest.mark.parametrize("name", ["compressed", "sparse"])
+def test_cp_error_is_raised_on_every_rank(rank_pool, name):
+    doc_ids = packing(12, [12])
+    msgs = rank_pool.run(fns.cp_error, 2, name, fns.make_inputs(0, 1, 12), doc_ids, {})
+    assert all(m is not None and "local sequence length 6" in m for m in msgs)
+
+
+# ============================================================================ torch.compile
+def random_packings(n: int, batch: int, seq: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        rows = []
+        for _ in range(batch):
+            left, lens = seq - int(torch.randint(0, 4, (), generator=g)), []
+            while left > 0 and len(lens) < 6:
+                lens.append(int(torch.randint(1, left + 1, (), generator=g)))
+                left -= lens[-1]
+            rows.append(lens)
+        out.append(packing(seq, *rows))
+    return out
+
+
+@pytest.mark.parametrize("name", fns.OPS)
+def test_compile_single_process_no_recompile(name):
+    packings = random_packings(21, 2, 16)
+    inputs = fns.make_inputs(2, 2, 16, heads=2, kv_heads=1)
+    grad_out = torch.randn(2, 16, 2, 4)
+    frames, forbidden, worst, graphs = fns.compile_packings(
+        name, inputs, packings, CP_KWARGS[name], grad_out, PackedContext
+    )
+    assert frames == 1, f"recompiled: {frames} frames over {len(packings)} packings"
+    assert graphs >= 2 and forbidden == [], forbidden
+    assert worst <= 1e-5
+
+
+def test_compile_cp_two_ranks(rank_pool):
+    packings = random_packings(20, 1, 16, seed=1)
+    inputs = fns.make_inputs(3, 1, 16, heads=2, kv_heads=1)
+    grad_out = torch.randn(1, 16, 2, 4)
+    for name in fns.OPS:
+        kw = CP_KWARGS[name]
+        res = rank_pool.run(fns.cp_compile_rank, 2, name, inputs, packings, kw, grad_out)
+        for frames, forbidden, worst, graphs in res:
+            assert frames == 1, (name, frames)
+            assert graphs >= 2 and forbidden == [], (name, forbidden)
+            assert worst <= 1e-5, (name, worst)
+
+
+# ============================================================================ FlexAttention backend
+FLEX_WARNINGS = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture
+def flex_mode(monkeypatch):
+    from fcp.ops.attention import flex
+
+    def set_mode(mode):
+        monkeypatch.setattr(flex, "MODE", mode)
+
+    return set_mode
+
+
+@FLEX_WARNINGS
+@pytest.mark.parametrize("name,kwargs", CASES, ids=lambda x: str(x) if isinstance(x, dict) else x)
+def test_flex_masks_equal_dense_masks_cpu(flex_mode, name, kwargs):
+    """The Flex mask_mod and the dense masks agree (Flex forward runs on CPU without grad)."""
+    for i, pack in enumerate(["straddling_blocks", "two_rows"]):
+        seq, *rows = PACKINGS[pack]
+        doc_ids = packing(seq, *rows)
+        inputs = fns.make_inputs(i, len(rows), seq, heads=4, kv_heads=2)
+        flex_mode("off")
+        want = _call(name, inputs, doc_ids, kwargs)
+        flex_mode("force")
+        got = _call(name, inputs, doc_ids, kwargs)
+        torch.testing.assert_close(got, want, **FP32)
+
+
+@FLEX_WARNINGS
+@pytest.mark.slow  # ~30 s: tracing the FlexAttention higher-order op
+def test_flex_compiles_without_recompiles_cpu(flex_mode):
+    import torch._dynamo.testing
+
+    flex_mode("force")
+    inputs = fns.make_inputs(0, 2, 16)
+    for name in ["sparse"]:  # the richest mask_mod; the others trace the same helper
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        fn = torch.compile(fns.call_op, backend=counter, fullgraph=True)
+        for doc_ids in random_packings(2, 2, 16, seed=4):
+            got = fn(name, inputs, PackedContext(doc_ids), CP_KWARGS[name])
+            flex_mode("off")
+            want = _call(name, inputs, doc_ids, CP_KWARGS[name])
+            flex_mode("force")
+            torch.testing.assert_close(got, want, **FP32)
+        assert counter.frame_count == 1, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", fns.OPS)
+def test_flex_cuda_matches_dense(flex_mode, name, dtype):
+    """On CUDA the Flex backend (forward and q/k/v grads) equals the dense backend."""
+    seq = 256
+    doc_ids = packing(seq, [1, 60, 3, 100, 17, 50]).cuda()
+    inputs = {n: x.cuda() for n, x in fns.make_inputs(0, 1, seq, 4, 2, 16, 2, 16, dtype).items()}
+    grad_out = torch.randn(1, seq, 4, 16, device="cuda")
+    kwargs = {"doc_causal": {}, "compressed": {"ratio": 4, "window": 8},
+              "sparse": {"block": 16, "topk": 3}}[name]
+    flex_mode("off")
+    want = fns.single_process(name, inputs, doc_ids, kwargs, grad_out)
+    flex_mode("auto")
+    got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out)
+    tol = FP32 if dtype == torch.float32 else BF16
+    tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else tol  # TF32-free, reordered sums
+    for key in ("out",) + fns.QKV:
+        torch.testing.assert_close(got[key].float(), want[key].float(), **tol, msg=key)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", fns.OPS)
+def test_flex_cuda_compiled_no_recompile(name):
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    fn = torch.compile(fns.call_op, backend=counter, fullgraph=True)
+    inputs = {n: x.cuda() for n, x in fns.make_inputs(0, 2, 128, 4, 2, 16, 2, 16).items()}
+    for doc_ids in random_packings(20, 2, 128, seed=5):
+        fn(name, inputs, PackedContext(doc_ids.cuda()), CP_KWARGS[name])
+    assert counter.frame_count == 1
