@@ -1,0 +1,214 @@
+"""FLA interop on a CUDA device (``@pytest.mark.gpu``; skipped cleanly without CUDA).
+
+Run by ``scripts/gpu_check.sh`` (``make gpu-check``). What is checked, against fcp's pure-PyTorch
+operators run in fp32 on the same device (``fcp.ops.kda.kda`` / ``short_conv``):
+
+* static mode (FLA dense kernel + gate resets) and FLA-varlen mode (FLA's ``cu_seqlens`` path),
+  output and the gradients of q, k, v, g, beta, in bf16 and fp32, on rows packed with many short
+  documents (several per 64-token chunk), long ones and a pad tail;
+* static mode's CP composition on one device: the ranks run one after another and a stand-in
+  for :func:`fcp.comm.state_chain` chains the recorded ``(M_r, S_r)`` in rank order (exactly what
+  the collective computes), fwd + bwd through FLA's kernels with the ``[v | 0]`` / ``[0 | I]``
+  augmentation;
+* the op's initial/final-state path (``fcp::fla_kda_fwd`` with ``h0``) against its PyTorch
+  recurrence;
+* FLA-varlen conv (``fcp::fla_conv_varlen_*``) against ``short_conv``;
+* a CP-free ``torch.compile(mode="reduce-overhead")`` training step of a small conv + KDA block:
+  CUDA graphs are captured (no cudagraph skips), replayed for three different packings without a
+  recompile, and each step equals eager.
+
+All FLA calls share one head layout (``H = HV = 16``, ``K = V = 128``, as the benchmark) so a cold
+machine compiles few kernel variants; ``FCP_FLA_AUTOTUNE_MAX`` (set by ``scripts/gpu_check.sh``)
+bounds Triton autotuning (:mod:`fcp.ops.fla.tuning`). GVA (``HV > H``) is covered on CPU.
+
+Error metric: ``max |x - ref| / max |ref|`` per tensor. Tolerances: fp32 5e-3 for outputs and
+1e-2 for gradients (FLA runs its fp32 matmuls in TF32 and keeps chunk states in the input dtype);
+bf16 2e-2 / 4e-2. Static mode's own extra error (gate-reset rounding, ~1e-5) is far below both.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fcp.context import PackedContext
+from fcp.ops.conv import short_conv
+from fcp.ops.fla import fla_kda_static, fla_kda_varlen, fla_short_conv_varlen, modes, ops
+from fcp.ops.fla.tuning import limit_from_env
+from fcp.ops.kda import kda
+from tests._fla_rank_fns import NAMES, doc_ids_from_lengths, make_inputs, rel_err
+
+pytestmark = pytest.mark.gpu
+
+TOLS = {torch.float32: (5e-3, 1e-2), torch.bfloat16: (2e-2, 4e-2)}
+H, HV, DK, DV = 16, 16, 128, 128
+
+if torch.cuda.is_available():
+    limit_from_env()
+
+
+def packed_rows(seq: int, seed: int) -> torch.Tensor:
+    """Row 0: short documents (1-40 tokens), a long one, a pad tail. Row 1: two long documents."""
+    gen = torch.Generator().manual_seed(seed)
+    lens, used = [], 0
+    while used < seq // 2:
+        n = int(torch.randint(1, 41, (1,), generator=gen))
+        lens.append(n)
+        used += n
+    lens.append(seq - used - 37)
+    return doc_ids_from_lengths([(lens, 37), ([seq // 3, seq - seq // 3], 0)])
+
+
+def cuda_inputs(b, t, seed):
+    """fp32 inputs on the device (cast to the tested dtype by ``out_and_grads``)."""
+    return {n: x.cuda() for n, x in make_inputs(b, t, H, HV, DK, DV, seed).items()}
+
+
+def out_and_grads(fn, inputs: dict, dtype, grad_out):
+    xs = {n: x.to(dtype).clone().requires_grad_() for n, x in inputs.items()}
+    out = fn(*(xs[n] for n in NAMES))
+    grads = torch.autograd.grad(out, [xs[n] for n in NAMES], grad_out.to(out.dtype))
+    return out.detach(), dict(zip(NAMES, grads))
+
+
+def errors(fn, inputs, dtype, grad_out, ctx):
+    out, grads = out_and_grads(fn, inputs, dtype, grad_out)
+    ref, ref_grads = out_and_grads(lambda *xs: kda(*xs, ctx), inputs, torch.float32, grad_out)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads.values())
+    return {"out": rel_err(out, ref)} | {n: rel_err(grads[n], ref_grads[n]) for n in NAMES}
+
+
+def assert_within(errs: dict, dtype) -> None:
+    tol_out, tol_grad = TOLS[dtype]
+    assert errs["out"] <= tol_out, errs
+    assert max(v for k, v in errs.items() if k != "out") <= tol_grad, errs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", ["static", "varlen"])
+def test_modes_match_pytorch(mode, dtype):
+    doc = packed_rows(1024, seed=0).cuda()
+    ctx = PackedContext(doc)
+    inputs = cuda_inputs(2, doc.shape[1], seed=1)
+    grad_out = torch.randn(2, doc.shape[1], HV, DV, device="cuda")
+    fn = fla_kda_static if mode == "static" else fla_kda_varlen
+    errs = errors(lambda *xs: fn(*xs, ctx), inputs, dtype, grad_out, ctx)
+    print(f"\n[fla-gpu] {mode:7s} {str(dtype):15s} vs pure PyTorch: {errs}")
+    assert_within(errs, dtype)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_static_cp_composition_on_one_device(monkeypatch, world):
+    dtype = torch.bfloat16
+    doc = packed_rows(1024, seed=2).cuda()
+    t = doc.shape[1]
+    local = t // world
+    inputs = cuda_inputs(2, t, seed=3)
+    grad_out = torch.randn(2, t, HV, DV, device="cuda")
+    blocks = []
+
+    def chain_in_rank_order(transition, state, context):
+        acc = torch.zeros_like(state, dtype=torch.float32)
+        for m, s in blocks[: context.cp_rank]:
+            acc = m @ acc + s
+        blocks.append((transition.float(), state.float()))
+        return acc
+
+    monkeypatch.setattr(modes, "state_chain", chain_in_rank_order)
+
+    def sharded(*xs):
+        outs = []
+        for r in range(world):
+            ctx = PackedContext(doc, group="sequential", cp_size=world, cp_rank=r)
+            outs.append(fla_kda_static(*(x[:, r * local : (r + 1) * local] for x in xs), ctx))
+        return torch.cat(outs, 1)
+
+    errs = errors(sharded, inputs, dtype, grad_out, PackedContext(doc))
+    print(f"\n[fla-gpu] static CP x{world} (sequential chain) bf16 vs pure PyTorch: {errs}")
+    assert_within(errs, dtype)
+
+
+def test_op_initial_state_matches_recurrence():
+    """The op with CP's augmentation ([v | 0], h0 = [0 | I]) against its PyTorch recurrence."""
+    b, t = 1, 160
+    inputs = cuda_inputs(b, t, seed=4)
+    v_aug = torch.cat([inputs["v"], inputs["v"].new_zeros(b, t, HV, DK)], -1)
+    eye = torch.eye(DK, device="cuda").expand(b, HV, DK, DK)
+    h0 = torch.cat([eye.new_zeros(b, HV, DK, DV), eye], -1).contiguous()
+    args = [inputs["q"], inputs["k"], v_aug, inputs["g"], inputs["beta"]]
+    o, ht = ops.fla_kda_fwd(*(a.to(torch.bfloat16) for a in args), h0, DK**-0.5, 64)[:2]
+    o_ref, ht_ref = ops._kda_recurrent(*args, DK**-0.5, h0)
+    errs = (rel_err(o, o_ref), rel_err(ht, ht_ref))
+    print(f"\n[fla-gpu] op with h0 (bf16) vs recurrence (o, final state): {errs}")
+    assert max(errs) <= TOLS[torch.bfloat16][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_conv_varlen_matches_pytorch(dtype):
+    doc = packed_rows(1024, seed=5).cuda()
+    ctx = PackedContext(doc)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(2, doc.shape[1], 256, device="cuda", generator=gen)
+    w = torch.randn(256, 4, device="cuda", generator=gen) * 0.5
+    bias = torch.randn(256, device="cuda", generator=gen)
+    dy = torch.randn_like(x)
+    res = {}
+    for name, fn, dt in (("fla", fla_short_conv_varlen, dtype), ("ref", short_conv, torch.float32)):
+        xs = [a.to(dt).clone().requires_grad_() for a in (x, w, bias)]
+        y = fn(*xs, ctx, "silu")
+        res[name] = [y.detach(), *torch.autograd.grad(y, xs, dy.to(y.dtype))]
+    errs = [rel_err(a, r) for a, r in zip(res["fla"], res["ref"])]
+    print(f"\n[fla-gpu] conv varlen {dtype} vs pure PyTorch (y, dx, dw, db): {errs}")
+    assert max(errs) <= TOLS[dtype][0]
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d=256, width=4):
+        super().__init__()
+        self.proj = torch.nn.Linear(d, 2 * H * DK + HV * DV, bias=False)
+        self.conv_w = torch.nn.Parameter(torch.randn(2 * H * DK + HV * DV, width) * 0.3)
+        self.gate = torch.nn.Linear(d, HV * DK + HV)
+        self.out = torch.nn.Linear(HV * DV, d, bias=False)
+
+    def forward(self, x, context):
+        from fcp.ops.fla import fla_kda, fla_short_conv
+
+        b, t, _ = x.shape
+        qkv = fla_short_conv(self.proj(x), self.conv_w, None, context, "silu")
+        q, k, v = qkv.split([H * DK, H * DK, HV * DV], -1)
+        q = q.reshape(b, t, H, DK)
+        k = torch.nn.functional.normalize(k.reshape(b, t, H, DK), dim=-1)
+        v = v.reshape(b, t, HV, DV)
+        gb = self.gate(x)
+        g = -torch.nn.functional.softplus(gb[..., : HV * DK]).reshape(b, t, HV, DK)
+        beta = torch.sigmoid(gb[..., HV * DK :])
+        return self.out(fla_kda(q, k, v, g, beta, context).reshape(b, t, -1))
+
+
+def test_reduce_overhead_cuda_graph_replays_new_packings():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = Block().cuda().to(torch.bfloat16)
+    x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+
+    def step(fn, doc):
+        torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        y = fn(x, PackedContext(doc))
+        y.float().pow(2).mean().backward()
+        return y.detach().clone(), [p.grad.clone() for p in model.parameters()]
+
+    packings = [packed_rows(512, seed=s).cuda() for s in (7, 8, 9)]
+    for doc in packings + packings:  # second pass: pure replays
+        y_c, g_c = step(compiled, doc)
+        y_e, g_e = step(model, doc)
+        assert rel_err(y_c, y_e) <= 2e-2
+        assert all(rel_err(a, b) <= 4e-2 for a, b in zip(g_c, g_e))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    print(f"\n[fla-gpu] reduce-overhead: graphs={counters['stats']['unique_graphs']}, "
+          f"cudagraph_skips={counters['inductor']['cudagraph_skips']}")  # fmt: skip
