@@ -29,6 +29,8 @@ from fcp.context import PackedContext
 from fcp.comm import all_gather_backward_anchor, all_gather_sequence, left_halo, state_chain
 from fcp.shard import gather_sequence, shard_batch
 from fcp.ops.conv import short_conv
+from fcp.ops.kda import kda
+from fcp.ops.attention import compressed_attention, doc_causal_attention, sparse_attention
 
 __all__ = [
     "PAD_DOC_ID",
@@ -36,10 +38,13 @@ __all__ = [
     "PackedContext",
     "all_gather_backward_anchor",
     "all_gather_sequence",
+    "compressed_attention",
+    "doc_causal_attention",
     "doc_ids_from_cu_seqlens",
     "doc_ids_from_seq_lens",
     "document_starts",
     "gather_sequence",
+    "kda",
     "left_halo",
     "lengths_from_doc_ids",
     "packed_boundaries_from_seq_lens",
@@ -48,6 +53,7 @@ __all__ = [
     "same_document",
     "segment_cu_seqlens",
     "shard_batch",
+    "sparse_attention",
     "short_conv",
     "state_chain",
     "validate_doc_ids",

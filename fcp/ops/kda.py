@@ -1,0 +1,379 @@
+"""Kimi Delta Attention (KDA) over packed documents, exact under contiguous CP.
+
+Per value head, with a ``[K, V]`` state ``S`` that restarts at zero at every document start::
+
+    S   <- diag(exp(g_t)) S                              # per-key-dimension decay
+    S   <- S + beta_t k_t (v_t - S^T k_t)^T              # delta rule
+    o_t  = scale * S^T q_t
+
+(the recurrence of FLA's ``naive_recurrent_kda``, run separately on every document).
+
+:func:`kda` evaluates it chunk-wise (WY representation, cost linear in the sequence length) with
+static shapes: documents are never split into variable-length pieces. Instead every cross-document
+term is masked to an exact zero, so a document's outputs are bitwise independent of every other
+token of the row. Under CP each rank summarises its shard as the affine map
+``S_out = M_r S_in + S_r`` and :func:`fcp.comm.state_chain` hands it the state entering its shard.
+
+How :func:`kda` stays exact and static:
+
+* Runs (documents and the pad tail) are numbered by a cumulative sum of run starts over the
+  replicated global map; every cross-run term is removed with ``torch.where`` (exact zeros), so no
+  value of another document ever enters a document's arithmetic.
+* In-chunk decays ``exp(sum of g over (i, t])`` come from a binary hierarchy of blocks: a pair of
+  blocks factors through their boundary token, both exponents are direct sums of the g's they
+  span (<= 0: no overflow at any decay; no difference of long cumulative sums: no cancellation).
+* ``(I + A)^-1`` of the WY form is built in the same hierarchy (log-depth block inversion).
+* Only the tokens of the run going on at a chunk's (shard's) start see the incoming state; a
+  single Python loop over chunks carries it (two small matmuls per chunk).
+* Under CP the loop runs on ``[S | P]`` with ``P0 = I``, giving the shard's transition ``M_r`` and
+  each token's response to ``S_in`` in the same pass; ``S_in`` from ``state_chain`` is then added
+  to the outputs of the shard's first run.
+
+:func:`kda_reference` is the single-process per-token recurrence, for tests and as the spec.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcp.comm import state_chain
+from fcp.context import PackedContext
+from fcp.layout import document_starts
+
+__all__ = ["kda", "kda_reference"]
+
+_NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# argument handling
+# ---------------------------------------------------------------------------------------------
+def _check_inputs(q, k, v, g, beta, local_len: int | None, batch: int | None):
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(
+            f"q and k must be [batch, seq, heads, K] with equal shapes, got {tuple(q.shape)} "
+            f"and {tuple(k.shape)}"
+        )
+    b, t, h, dk = q.shape
+    if v.dim() != 4 or v.shape[:2] != (b, t):
+        raise ValueError(f"v must be [batch={b}, seq={t}, value_heads, V], got {tuple(v.shape)}")
+    hv = v.shape[2]
+    if hv % h:
+        raise ValueError(f"value_heads={hv} must be a multiple of heads={h} (GVA)")
+    if g.shape != (b, t, hv, dk):
+        raise ValueError(f"g must be [{b}, {t}, {hv}, {dk}], got {tuple(g.shape)}")
+    if beta.shape != (b, t, hv):
+        raise ValueError(f"beta must be [{b}, {t}, {hv}], got {tuple(beta.shape)}")
+    if local_len is not None and t != local_len:
+        raise ValueError(f"seq={t} != context.local_seq_len={local_len}")
+    if batch is not None and b != batch:
+        raise ValueError(f"batch={b} != context batch {batch}")
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32 whatever the input dtype (bf16/fp16 inputs), fp64 when an input is fp64."""
+    dt = torch.float32
+    for x in tensors:
+        dt = torch.promote_types(dt, x.dtype)
+    return dt
+
+
+def _resolve_scale(scale: float | None, dk: int) -> float:
+    return dk**-0.5 if scale is None else float(scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# reference: per-token recurrence (the spec)
+# ---------------------------------------------------------------------------------------------
+def kda_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    context: PackedContext | torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Single-process KDA by the per-token recurrence, state reset at every document start.
+
+    Same shapes and conventions as :func:`kda` (which see); ``context`` is a non-CP
+    :class:`~fcp.context.PackedContext` or directly the int64 doc-id map ``[batch, seq]``.
+    Computes in fp32 (fp64 for fp64 inputs); O(seq) Python steps, meant for tests only.
+    """
+    if isinstance(context, PackedContext):
+        if context.cp_enabled:
+            raise ValueError("kda_reference is single-process: pass a context with cp_size=1")
+        doc_ids = context.doc_ids
+    else:
+        doc_ids = context
+    _check_inputs(q, k, v, g, beta, doc_ids.shape[1], doc_ids.shape[0])
+    h, dk = q.shape[2], q.shape[3]
+    hv, out_dtype = v.shape[2], v.dtype
+    dt = _compute_dtype(q, k, v, g, beta)
+    scale = _resolve_scale(scale, dk)
+    q = q.to(dt).repeat_interleave(hv // h, dim=2) * scale
+    k = k.to(dt).repeat_interleave(hv // h, dim=2)
+    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
+    starts = document_starts(doc_ids)[:, :, None, None, None]  # [B, T, 1, 1, 1]
+    state = q.new_zeros(q.shape[0], hv, dk, v.shape[-1])
+    out = []
+    for t in range(q.shape[1]):
+        # where (not a multiply) so a reset is exact whatever the previous state holds
+        state = torch.where(starts[:, t], 0.0, state) * g[:, t, :, :, None].exp()
+        k_t = k[:, t]
+        resid = v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, state)
+        state = state + beta[:, t, :, None, None] * k_t[..., None] * resid[..., None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    return torch.stack(out, 1).to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked operator
+# ---------------------------------------------------------------------------------------------
+def _masked_exp(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` where ``mask``, exact 0 elsewhere; masked BEFORE exp so no inf is ever formed
+    (and the backward of a masked entry is an exact zero, never ``0 * inf``)."""
+    return torch.exp(torch.where(mask, x, _NEG_INF))
+
+
+def _segment_ids(context: PackedContext, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ids of the local (internally padded) shard and of the token before it.
+
+    Returns ``(seg [batch, local_seq + n_pad], prev [batch, 1])``, int64. Runs (documents and the
+    pad tail) are numbered by a cumulative sum of run starts over the *global* map, so equal ids
+    mean the same contiguous run, across ranks too. ``prev`` is 0 (no run) on the first rank.
+    The internal padding continues the last run: its tokens have k = beta = g = 0, so they carry
+    the state through unchanged and the shard's final state is the one after its last real token.
+    """
+    seg = torch.cumsum(document_starts(context.doc_ids), 1)  # >= 1
+    s0, s1 = context.seq_start, context.seq_end
+    local = seg[:, s0:s1]
+    if n_pad:
+        local = torch.cat([local, local[:, -1:].expand(-1, n_pad)], 1)
+    prev = seg[:, s0 - 1 : s0] if s0 > 0 else torch.zeros_like(seg[:, :1])
+    return local, prev
+
+
+def _halves(x: torch.Tensor, nb: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., nb * 2 * s, D]`` -> the left and right halves ``[..., nb, s, D]`` of each block."""
+    left, right = x.reshape(*x.shape[:-2], nb, 2, s, x.shape[-1]).unbind(-3)
+    return left, right
+
+
+def _merge(m: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    """Diagonal blocks ``[..., 2nb, s, s]`` plus lower off-diagonal blocks ``[..., nb, s, s]`` ->
+    lower-triangular ``[..., nb, 2s, 2s]`` blocks (the upper block is an exact zero)."""
+    m0, m1 = m.reshape(*off.shape[:-3], -1, 2, *m.shape[-2:]).unbind(-3)
+    return torch.cat([torch.cat([m0, torch.zeros_like(off)], -1), torch.cat([off, m1], -1)], -2)
+
+
+def _merge_inverse(d: torch.Tensor, l21: torch.Tensor) -> torch.Tensor:
+    """Inverses of unit-lower diagonal blocks ``[..., 2nb, s, s]`` and the lower blocks
+    ``L21`` -> inverses of the ``2s`` blocks: ``inv([[L11, 0], [L21, L22]]) =
+    [[D11, 0], [-D22 L21 D11, D22]]``. A log-depth alternative to forward substitution, as
+    stable (no Neumann-series cancellation); zeros between documents stay exact zeros."""
+    d11, d22 = d.reshape(*l21.shape[:-3], -1, 2, *d.shape[-2:]).unbind(-3)
+    return _merge(d, -(d22 @ (l21 @ d11)))
+
+
+def _intra_chunk(q, k, g, beta, seg):
+    """In-chunk pairwise matrices and within-document decay sums, by a binary block hierarchy.
+
+    Inputs: q, k, g ``[B, H, N, C, K]``, beta ``[B, H, N, C, 1]``, seg ``[B, 1, N, C]`` run ids;
+    ``C`` a power of two. With ``D(i, t] = sum_{i < s <= t} g_s`` (zero-free only inside one
+    document) it returns
+
+    * ``aqk [.., C, C]``: ``q_t . (exp(D(i, t]) * k_i)`` for ``i <= t`` in t's document, else 0;
+    * ``t_inv [.., C, C]``: ``(I + A)^-1`` with ``A[t, i] = beta_t k_t . (exp(D(i, t]) * k_i)``
+      for ``i < t`` in t's document;
+    * ``fwd [.., C, K]``: ``sum of g`` from the chunk (or document) start through ``t``;
+    * ``rev [.., C, K]``: ``sum of g`` after ``t`` to the chunk (or document) end.
+
+    Level ``s`` pairs each block of ``s`` tokens (left, ending at token ``r``) with the next
+    (right). A left/right pair's decay factors through ``r``: ``exp(D(i, t]) = exp(D(r, t]) *
+    exp(D(i, r])``, two exponents that are sums of the block-local ``fwd``/``rev`` sums, so every
+    exponent is <= 0 for g <= 0 (no overflow, however strong the decay) and is a direct sum of
+    the g's it spans, never a difference of long cumulative sums (no cancellation, also in the
+    gradient of g). Each factor is masked to the document of ``r``, so only same-document pairs
+    survive, as exact zeros otherwise, and other documents' g never enter another document's
+    sums. Cost ``O(C^2 K)`` per chunk, like the dense form, without a ``[C, C, K]`` tensor.
+    """
+    c = q.shape[-2]
+    fwd, rev = g, torch.zeros_like(g)
+    aqk = (q * k).sum(-1)[..., None, None]  # [.., C, 1, 1]: the diagonal, D(t, t] = 0
+    t_inv = torch.ones_like(aqk)
+    s = 1
+    while s < c:
+        nb = c // (2 * s)
+        seg_l, seg_r = seg.reshape(*seg.shape[:-1], nb, 2, s).unbind(-2)  # [B, 1, N, nb, s]
+        ref = seg_l[..., -1:]  # document of the boundary token r
+        left_in, right_in = (seg_l == ref)[..., None], (seg_r == ref)[..., None]
+        f_l, f_r = _halves(fwd, nb, s)
+        r_l, r_r = _halves(rev, nb, s)
+        q_r = _halves(q, nb, s)[1]
+        k_l, k_r = _halves(k, nb, s)
+        g_r = _halves(g, nb, s)[1]
+        beta_r = _halves(beta, nb, s)[1]
+        k_from = (k_l * _masked_exp(left_in, r_l)).transpose(-1, -2)  # [.., nb, K, s]
+        to_t = _masked_exp(right_in, f_r)  # [.., nb, s, K]
+        aqk = _merge(aqk, (q_r * to_t) @ k_from)
+        t_inv = _merge_inverse(t_inv, ((k_r * to_t) @ k_from) * beta_r)
+        # block-local sums for blocks of 2s: extend across the boundary within the document
+        # (sums of same-sign terms; `where`, not a multiply, keeps other documents out exactly)
+        f_r = f_r + torch.where(right_in, f_l[..., -1:, :], 0.0)
+        head_in = (seg_l == seg_r[..., :1])[..., None]
+        r_l = r_l + torch.where(head_in, g_r[..., :1, :] + r_r[..., :1, :], 0.0)
+        fwd = torch.cat([f_l, f_r], -2).reshape(g.shape)
+        rev = torch.cat([r_l, r_r], -2).reshape(g.shape)
+        s *= 2
+    return aqk[..., 0, :, :], t_inv[..., 0, :, :], fwd, rev
+
+
+def _chunk_forms(q, k, v, g, beta, seg, prev):
+    """Everything a chunk needs that does not depend on the incoming state (all chunks at once).
+
+    Inputs: q, k, g ``[B, H, N, C, K]`` (q already scaled), v ``[B, H, N, C, V]``, beta
+    ``[B, H, N, C]``, seg ``[B, 1, N, C]`` run ids, prev ``[B, 1, N]`` run id of the token
+    before each chunk. With ``G`` the within-document cumulative decay from the chunk start and
+    ``carry`` the tokens of the run that was going on before the chunk (those that see the
+    incoming state ``S``), the chunk's outputs and final state are (WY representation)::
+
+        U     = u0 - w @ S                       # pseudo-values, [C, V]
+        o     = qg @ S + Aqk @ U
+        S_end = dec * S + kd^T @ U
+
+    with ``T = (I + A)^-1``, ``w = T (beta k exp(G) [carry])``, ``u0 = T (beta v)``,
+    ``qg = q exp(G) [carry]``, ``kd = k exp(G_end - G) [last run]``, ``dec = exp(G_end) [carry]``.
+    Returns ``(Aqk [.., C, C], w [.., C, K], u0 [.., C, V], qg [.., C, K], kd [.., C, K],
+    dec [.., K])``.
+    """
+    bk = beta[..., None]
+    aqk, t_inv, fwd, rev = _intra_chunk(q, k, g, bk, seg)
+    carry = (seg == prev[..., None])[..., None]  # [B, 1, N, C, 1]
+    decay_in = _masked_exp(carry, fwd)  # exp(G_t) for carried tokens, else exactly 0
+    qg = q * decay_in
+    w = t_inv @ (bk * k * decay_in)
+    u0 = t_inv @ (bk * v)
+    last_run = (seg == seg[..., -1:])[..., None]  # the run holding the chunk's last token
+    kd = k * _masked_exp(last_run, rev)
+    dec = _masked_exp(carry[..., -1, :], fwd[..., -1, :])  # [B, H, N, K]
+    return aqk, w, u0, qg, kd, dec
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    context: PackedContext,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Chunked Kimi Delta Attention on this rank's shard of a packed batch.
+
+    Args:
+        q, k: ``[batch, local_seq, heads, K]`` (k is usually L2-normalised).
+        v: ``[batch, local_seq, value_heads, V]``; ``value_heads`` is a multiple of ``heads``
+            (GVA: value head ``j`` uses q/k head ``j // (value_heads // heads)``).
+        g: ``[batch, local_seq, value_heads, K]`` per-key-dimension log decay (natural log,
+            <= 0; no overflow whatever the decay: exponents are always <= 0; tested with -8, 0
+            and -40 per token).
+        beta: ``[batch, local_seq, value_heads]`` delta-rule step sizes.
+        context: this rank's :class:`~fcp.context.PackedContext`; ``local_seq`` must be
+            ``context.local_seq_len``. The state restarts at every run start of the global map
+            (documents and the pad tail).
+        scale: query scale, default ``K ** -0.5``.
+        chunk_size: tokens per chunk, a power of two (the sequence is padded internally to a
+            multiple of it).
+
+    Returns:
+        ``[batch, local_seq, value_heads, V]`` in ``v``'s dtype. State and accumulation are fp32
+        (fp64 for fp64 inputs).
+
+    Guarantees: a document's outputs are bitwise independent of every token outside it (finite
+    inputs); no host synchronisation and no data-dependent shapes, so it traces under
+    ``torch.compile(fullgraph=True)`` and a new packing never recompiles. Under CP, one
+    :func:`~fcp.comm.state_chain` all-gather of ``[batch, value_heads, K, K + V]`` per call.
+
+    Example (K = V = 1, q = k = 1, g = 0, beta = 0.5, scale 1: ``S <- S + 0.5 (v - S)``, so each
+    output is the running average restarted at every document; documents of lengths 3 and 2,
+    then one pad token)::
+
+        >>> doc_ids = torch.tensor([[1, 1, 1, 2, 2, 0]])
+        >>> ones = torch.ones(1, 6, 1, 1)
+        >>> v = torch.tensor([2.0, 2, 2, 4, 4, 8]).view(1, 6, 1, 1)
+        >>> o = kda(ones, ones, v, torch.zeros(1, 6, 1, 1), torch.full((1, 6, 1), 0.5),
+        ...         PackedContext(doc_ids), scale=1.0)
+        >>> o.flatten().tolist()
+        [1.0, 1.5, 1.75, 2.0, 3.0, 4.0]
+    """
+    if not isinstance(context, PackedContext):
+        raise TypeError(f"context must be a PackedContext, got {type(context).__name__}")
+    _check_inputs(q, k, v, g, beta, context.local_seq_len, context.batch_size)
+    if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size!r}")
+    if q.is_cuda:
+        # One API on every device: FLA's Triton kernels (static mode, custom ops) on CUDA.
+        # Imported here because importing FLA costs seconds and it is a GPU-only path.
+        from fcp.ops.fla.modes import fla_kda_eligible, fla_kda_static
+
+        if fla_kda_eligible(q, chunk_size):
+            return fla_kda_static(q, k, v, g, beta, context, scale=scale, chunk_size=chunk_size)
+
+    bsz, length, h, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    dt = _compute_dtype(q, k, v, g, beta)
+    scale = _resolve_scale(scale, dk)
+    c = chunk_size
+    n = -(-length // c)
+    n_pad = n * c - length
+
+    def chunked(x: torch.Tensor, heads_repeat: int = 1) -> torch.Tensor:
+        # [B, T, heads, D] -> [B, HV, N, C, D] in the compute dtype, zero-padded at the end
+        x = x.to(dt)
+        if heads_repeat > 1:
+            x = x.repeat_interleave(heads_repeat, dim=2)
+        if n_pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, n_pad))
+        return x.reshape(bsz, n, c, hv, x.shape[-1]).permute(0, 3, 1, 2, 4)
+
+    qc = chunked(q, hv // h) * scale
+    kc = chunked(k, hv // h)
+    vc, gc = chunked(v), chunked(g)
+    bc = chunked(beta[..., None])[..., 0]
+    seg, prev = _segment_ids(context, n_pad)
+    seg = seg.reshape(bsz, 1, n, c)
+    # run id before each chunk: the shard's predecessor for chunk 0, else the previous chunk's
+    # last token
+    prev = torch.cat([prev, seg[:, 0, :-1, -1]], 1)[:, None]  # [B, 1, N]
+
+    aqk, w, u0, qg, kd, dec = _chunk_forms(qc, kc, vc, gc, bc, seg, prev)
+
+    cp = context.cp_enabled
+    if cp:
+        # Augmented state [S | P] with P0 = I: the same linear recurrence then also yields the
+        # shard's transition M (final P) and each token's response R to the incoming state.
+        u0 = torch.cat([u0, u0.new_zeros(*u0.shape[:-1], dk)], -1)
+        eye = torch.eye(dk, dtype=dt, device=q.device).expand(bsz, hv, dk, dk)
+        state = torch.cat([u0.new_zeros(bsz, hv, dk, dv), eye], -1)
+    else:
+        state = u0.new_zeros(bsz, hv, dk, dv)
+
+    # The only sequential part: one step per chunk, two small matmuls each. unbind (not
+    # indexing in the loop) so the backward is one stack, not one full-size zero-fill per chunk.
+    states, pseudo = [], []
+    kd_t, dec_col = kd.transpose(-1, -2), dec[..., None]
+    for u0_i, w_i, kd_i, dec_i in zip(u0.unbind(2), w.unbind(2), kd_t.unbind(2), dec_col.unbind(2)):
+        states.append(state)
+        u = u0_i - w_i @ state
+        pseudo.append(u)
+        state = dec_i * state + kd_i @ u
+    out = qg @ torch.stack(states, 2) + aqk @ torch.stack(pseudo, 2)  # [B, HV, N, C, V(+K)]
+
+    if cp:
+        s_in = state_chain(state[..., dv:], state[..., :dv], context).to(dt)
+        # Only tokens of the run going on at the shard start have a nonzero response row.
+        out = out[..., :dv] + out[..., dv:] @ s_in[:, :, None]
+    out = out.permute(0, 2, 3, 1, 4).reshape(bsz, n * c, hv, dv)[:, :length]
+    return out.to(v.dtype)
