@@ -48,6 +48,24 @@ _NEG_INF = float("-inf")
 # ---------------------------------------------------------------------------------------------
 # argument handling
 # ---------------------------------------------------------------------------------------------
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward returns a contiguous gradient.
+
+    The chunked backward produces input gradients through permutes whose eager strides can
+    differ from the strides the compiler's fake tensors predict; a caller's ``view`` of such a
+    gradient (e.g. the backward of ``(x @ w).view(b, t, h, d)``) then fails in a compiled
+    graph. Handing back contiguous gradients makes both agree.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 def _check_inputs(q, k, v, g, beta, local_len: int | None, batch: int | None):
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(
@@ -321,6 +339,7 @@ def kda(
         if fla_kda_eligible(q, chunk_size):
             return fla_kda_static(q, k, v, g, beta, context, scale=scale, chunk_size=chunk_size)
 
+    q, k, v, g, beta = (_ContiguousGrad.apply(t) for t in (q, k, v, g, beta))
     bsz, length, h, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     dt = _compute_dtype(q, k, v, g, beta)
