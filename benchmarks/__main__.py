@@ -1,0 +1,179 @@
+"""One entry point for fcp's benchmarks: runs them side by side and writes one report.
+
+    make bench                                  # = .venv/bin/python -m benchmarks
+    .venv/bin/python -m benchmarks --quick      # smaller sizes (a few minutes)
+
+Writes ``reports/benchmarks/report.md`` (a headline table of ratios, then every benchmark's
+full output) and ``reports/benchmarks/*.png``. Every figure is a ratio of two things measured
+in the same run on the same machine; times are medians (spread where the benchmark keeps one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _capture(fn, argv):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rows = fn(argv)
+    return rows, buf.getvalue()
+
+
+def _script(name: str, args: list[str]) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT,
+                         env=env, capture_output=True, text=True, check=False)
+    text = out.stdout
+    if out.returncode:
+        text += f"\n(exit {out.returncode})\n" + out.stderr[-2000:]
+    return text
+
+
+def _plots(out: Path, comm_rows, scaling_rows) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for world in sorted({r["world"] for r in scaling_rows}):
+        rs = [r for r in scaling_rows if r["world"] == world]
+        ax[0].plot([r["tokens"] for r in rs], [r["us_per_token"] for r in rs], "o-",
+                   label=f"{world} rank(s)")
+        ax[1].plot([r["tokens"] for r in rs], [r["saved_mb"] for r in rs], "o-",
+                   label=f"{world} rank(s)")
+    ax[0].set(xlabel="global tokens", ylabel="us per token (slowest rank)", xscale="log",
+              title="hybrid layer fwd+bwd")
+    ax[1].set(xlabel="global tokens", ylabel="saved activations MB per rank", xscale="log",
+              title="memory CP divides")
+    for a in ax:
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(out / "scaling.png", dpi=100)
+    files.append("scaling.png")
+    plt.close(fig)
+
+    halo = [r for r in comm_rows if r["kind"] == "halo"]
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for h in sorted({r["history"] for r in halo}):
+        rs = [r for r in halo if r["history"] == h]
+        ax.plot([r["local_len"] for r in rs], [r["time_ratio"] for r in rs], "o-",
+                label=f"history {h}")
+    ax.set(xlabel="local tokens per rank", ylabel="naive / fcp time", xscale="log",
+           yscale="log", title="left halo vs all-gather+slice")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "halo.png", dpi=100)
+    files.append("halo.png")
+    plt.close(fig)
+    return files
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    ap.add_argument("--out", default=str(ROOT / "reports" / "benchmarks"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    q = args.quick
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import bench_attention, bench_comm, bench_scaling
+
+    sections = []
+    print("collectives ...", flush=True)
+    comm_rows, text = _capture(bench_comm.main, ["--repeats", "5" if q else "15"])
+    sections.append(("Collectives (4 gloo ranks)", text))
+    print("attention ...", flush=True)
+    att_rows, text = _capture(bench_attention.main, ["--lengths", *(["512", "1024"] if q else
+                                                                    ["512", "1024", "2048"]),
+                                                     "--repeats", "3" if q else "5"])
+    sections.append(("Attention operators: bytes and CP vs single process", text))
+    print("CP scaling ...", flush=True)
+    sc_rows, text = _capture(bench_scaling.main, ["--lengths", *(["512", "1024"] if q else
+                                                                 ["1024", "2048", "4096"]),
+                                                  "--repeats", "2" if q else "3"])
+    sections.append(("CP scaling of one hybrid layer (1/2/4 ranks)", text))
+    print("KDA ...", flush=True)
+    kda_args = (["--lengths", "512", "1024", "2048", "--recurrent-max", "1024", "--no-compile"]
+                if q else ["--lengths", "1024", "2048", "4096", "8192", "--chunk-max", "4096",
+                           "--no-compile"])
+    sections.append(("KDA vs FLA's naive references (CPU)", _script("bench_kda.py", kda_args)))
+    print("layout ...", flush=True)
+    sections.append(("Layout and sharding at 1M tokens / 100k documents",
+                     _script("bench_layout.py", ["--repeats", "5" if q else "15",
+                                                 "--threads", "1"])))
+
+    halo = [r for r in comm_rows if r["kind"] == "halo"]
+    big = max(r["local_len"] for r in halo)
+    chain = [r for r in comm_rows if r["kind"] == "state_chain"]
+    head = ["| measure | value |", "|---|---|"]
+    for r in (r for r in halo if r["local_len"] == big):
+        head.append(f"| halo (history {r['history']}, {big} tokens/rank): bytes all-gather / "
+                    f"fcp | {r['bytes_ratio']:.0f}x |")
+        head.append(f"| halo (history {r['history']}, {big} tokens/rank): time all-gather / "
+                    f"fcp | {r['time_ratio']:.1f}x |")
+    for r in chain:
+        head.append(f"| state chain ({r['heads']} heads, K=V={r['k']}): time sequential "
+                    f"send/recv / fcp | {r['time_ratio']:.2f}x |")
+    for name in sorted({r["op"] for r in att_rows}):
+        r = max((r for r in att_rows if r["op"] == name), key=lambda r: (r["seq"], r["world"]))
+        head.append(f"| {name} ({r['seq']} tokens, {r['world']} ranks): bytes / full K/V "
+                    f"gather | {r['predicted_bytes'] / r['full_kv_bytes']:.3f} |")
+        head.append(f"| {name} ({r['seq']} tokens, {r['world']} ranks): single / CP time | "
+                    f"{r['speedup']:.2f}x |")
+    for r in sc_rows:
+        if r["world"] > 1:
+            base = next(b for b in sc_rows if b["tokens"] == r["tokens"] and b["world"] == 1)
+            head.append(f"| hybrid layer {r['tokens']} tokens, {r['world']} ranks: speed-up / "
+                        f"saved-activation ratio vs 1 rank | {r['speedup']:.2f}x / "
+                        f"{base['saved_mb'] / r['saved_mb']:.2f}x |")
+    head.append(f"| hybrid layer compiled (aot_eager) / eager time | "
+                f"{min(r['compiled_over_eager'] for r in sc_rows):.2f}.."
+                f"{max(r['compiled_over_eager'] for r in sc_rows):.2f} |")
+    head.append(f"| compilations across 5 packings (max over cases) | "
+                f"{max(r['compiles'] for r in sc_rows)} |")
+
+    plots = _plots(out, comm_rows, sc_rows)
+    md = [
+        "# fcp benchmark report",
+        "",
+        f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} on "
+        f"{platform.machine()} with {os.cpu_count()} CPUs, torch {torch.__version__}"
+        f"{' (quick mode)' if q else ''}, by `python -m benchmarks`.",
+        "",
+        "How to read it: every number is a ratio of two measurements taken side by side in this",
+        "run (> 1 means fcp is better unless stated). CPU gloo ranks share the machine's cores,",
+        "so with 4 ranks on 2 cores times are pessimistic; byte counts and activation sizes are",
+        "exact.",
+        "",
+        *head,
+        "",
+        *[f"![{p}]({p})" for p in plots],
+        "",
+    ]
+    for title, text in sections:
+        md += [f"## {title}", "", "```", text.rstrip(), "```", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(md))
+    print(f"report written to {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
