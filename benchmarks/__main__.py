@@ -143,7 +143,7 @@ def main(argv=None) -> Path:
             head.append(f"| hybrid layer {r['tokens']} tokens, {r['world']} ranks: speed-up / "
                         f"saved-activation ratio vs 1 rank | {r['speedup']:.2f}x / "
                         f"{base['saved_mb'] / r['saved_mb']:.2f}x |")
-    head.append(f"| hybrid layer compiled (aot_eager) / eager time | "
+    head.append(f"| hybrid layer compiled (aot_eager) / eager time (lower is better) | "
                 f"{min(r['compiled_over_eager'] for r in sc_rows):.2f}.."
                 f"{max(r['compiled_over_eager'] for r in sc_rows):.2f} |")
     head.append(f"| compilations across 5 packings (max over cases) | "
