@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/shard_packed_batch.py
+	$(PY) examples/demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider

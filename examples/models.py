@@ -1,0 +1,337 @@
+"""Two tiny hybrid language models written against fcp's operators.
+
+* :class:`Glm5FlashLike` - GLM-5.3-Flash-like: blocks of (short conv -> KDA) alternate with
+  pooled-key sparse attention (a DSA-style top-k block selection).
+* :class:`Qwen38FlashNextLike` - Qwen3.8-Flash-Next-like: three KDA blocks per gated compressed
+  (ratio 4, block-mean keys plus an exact window) attention block.
+
+Both are plain ``nn.Module`` s over byte tokens (vocabulary 256) whose ``forward`` takes this
+rank's token slice and its :class:`fcp.PackedContext`::
+
+    _, local, ctx = fcp.shard_batch(cp_group, None, batch, pad_multiple=model.pad_multiple)
+    logits = model(local["input_ids"], ctx)                    # [batch, local_seq, 256]
+    loss = token_loss_sum(logits, local["labels"]) / n_loss_tokens_of_the_full_batch
+
+The same code runs without CP (``cp_group=None`` or ``fcp.PackedContext(doc_ids)``) and with CP
+over any number of ranks: every token-mixing operator (short conv, KDA, sparse and compressed
+attention) communicates by itself through the context; everything else (embeddings, norms,
+projections, MLPs, the LM head) is per-token and needs nothing. Forward passes have no host
+synchronisation and no data-dependent shapes, so ``torch.compile(fullgraph=True)`` traces them
+once and a new packing never recompiles.
+
+Under CP, parameter gradients are per-rank partial sums: :func:`all_reduce_grads` sums them over
+the CP group before the optimizer step (the same reduction data parallelism does).
+
+The attention layers use no positional encoding (NoPE): the KDA layers before them carry order,
+as in Kimi Linear. Sparse attention's indexer reuses the layer's own (detached) queries and keys,
+so every parameter learns from the language-model loss alone (GLM-5/DeepSeek train a separate
+lightning indexer with an extra KL loss; that is orthogonal to context parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fcp import PackedContext, short_conv
+from fcp.ops.attention import compressed_attention, sparse_attention
+from fcp.ops.kda import kda
+
+__all__ = [
+    "IGNORE_INDEX",
+    "ModelConfig",
+    "HybridLM",
+    "Glm5FlashLike",
+    "Qwen38FlashNextLike",
+    "MODELS",
+    "build_model",
+    "token_loss_sum",
+    "count_loss_tokens",
+    "all_reduce_grads",
+]
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of a tiny hybrid model. ``layers`` names each block's token mixer in order:
+    ``"kda"`` (short conv -> KDA), ``"sparse"`` (pooled-key sparse attention) or
+    ``"compressed"`` (gated compressed attention)."""
+
+    vocab_size: int = 256
+    d_model: int = 64
+    layers: tuple[str, ...] = ("kda", "sparse", "kda", "sparse")
+    # KDA
+    kda_heads: int = 2
+    kda_head_dim: int = 16
+    conv_width: int = 4
+    chunk_size: int = 64
+    # softmax attention
+    attn_heads: int = 2
+    attn_kv_heads: int = 1
+    attn_head_dim: int = 32
+    block: int = 4  # sparse attention block (tokens)
+    topk: int = 8  # sparse attention: selected earlier blocks per query
+    ratio: int = 4  # compressed attention ratio
+    window: int = 16  # compressed attention exact window
+    # MLP
+    mlp_ratio: int = 2
+    seed: int = 0  # parameter init seed
+
+    @property
+    def pad_multiple(self) -> int:
+        """Every rank's local length must be a multiple of this (``shard_batch(pad_multiple=)``)."""
+        m = 1
+        if "sparse" in self.layers:
+            m = math.lcm(m, self.block)
+        if "compressed" in self.layers:
+            m = math.lcm(m, self.ratio)
+        return m
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _linear(d_in: int, d_out: int) -> nn.Linear:
+    lin = nn.Linear(d_in, d_out, bias=False)
+    nn.init.normal_(lin.weight, std=d_in**-0.5)
+    return lin
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.gate_up = _linear(d, 2 * hidden)
+        self.down = _linear(hidden, d)
+        nn.init.normal_(self.down.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return self.down(F.silu(gate) * up)
+
+
+class KDAMixer(nn.Module):
+    """Short causal conv over q/k/v, then Kimi Delta Attention with a gated RMSNorm output.
+
+    One conv over the concatenated q/k/v channels (one left-halo exchange under CP), q and k
+    L2-normalised per head, per-channel decay ``g = -exp(A_log) * softplus(W_g x + dt_bias)``
+    and step size ``beta = sigmoid(W_b x)``.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, dk = cfg.kda_heads, cfg.kda_head_dim
+        self.h, self.dk, self.chunk = h, dk, cfg.chunk_size
+        self.qkv = _linear(cfg.d_model, 3 * h * dk)
+        self.conv_weight = nn.Parameter(torch.randn(3 * h * dk, cfg.conv_width) / cfg.conv_width)
+        self.gate_proj = _linear(cfg.d_model, h * dk)  # decay gate (per key channel)
+        self.beta_proj = _linear(cfg.d_model, h)
+        self.out_gate = _linear(cfg.d_model, h * dk)
+        self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, h)))
+        dt = torch.exp(torch.linspace(math.log(1e-3), math.log(1e-1), h * dk))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.o_norm = RMSNorm(dk)
+        self.o_proj = _linear(h * dk, cfg.d_model)
+        nn.init.normal_(self.o_proj.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        b, n, _ = x.shape
+        h, dk = self.h, self.dk
+        qkv = short_conv(self.qkv(x), self.conv_weight, None, ctx, activation="silu")
+        q, k, v = qkv.view(b, n, 3, h, dk).unbind(2)
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        # softplus(z) written as -logsigmoid(-z): the same function, but torch 2.13's
+        # aot_eager mis-predicts softplus_backward's output strides when its gradient arrives
+        # permuted (as from kda), and the backward graph then fails on a .view
+        z = self.gate_proj(x).view(b, n, h, dk) + self.dt_bias.view(h, dk)
+        g = self.A_log.exp()[:, None] * F.logsigmoid(-z)  # = -exp(A_log) * softplus(z) <= 0
+        beta = torch.sigmoid(self.beta_proj(x))
+        o = kda(q, k, v, g, beta, ctx, chunk_size=self.chunk)
+        o = self.o_norm(o) * torch.sigmoid(self.out_gate(x).view(b, n, h, dk))
+        return self.o_proj(o.reshape(b, n, h * dk))
+
+
+class _AttentionBase(nn.Module):
+    """q/k/v projections with per-head QK RMSNorm (GQA), a sigmoid output gate, out projection."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.h, self.hkv, self.dh = cfg.attn_heads, cfg.attn_kv_heads, cfg.attn_head_dim
+        self.q_proj = _linear(cfg.d_model, self.h * self.dh)
+        self.kv_proj = _linear(cfg.d_model, 2 * self.hkv * self.dh)
+        self.q_norm, self.k_norm = RMSNorm(self.dh), RMSNorm(self.dh)
+        self.gate = _linear(cfg.d_model, self.h * self.dh)
+        self.o_proj = _linear(self.h * self.dh, cfg.d_model)
+        nn.init.normal_(self.o_proj.weight, std=0.02)
+
+    def qkv(self, x: torch.Tensor):
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.h, self.dh))
+        k, v = self.kv_proj(x).view(b, n, 2, self.hkv, self.dh).unbind(2)
+        return q, self.k_norm(k), v
+
+    def out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        o = o.reshape(b, n, self.h * self.dh) * torch.sigmoid(self.gate(x))
+        return self.o_proj(o)
+
+
+class SparseAttentionMixer(_AttentionBase):
+    """Pooled-key sparse attention: each query attends to its own block plus the ``topk``
+    earlier same-document blocks whose mean key best matches it (scored with the layer's own
+    detached q/k: ``index_q = q``, ``index_k = mean of k over kv heads``)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.block, self.topk = cfg.block, cfg.topk
+
+    def forward(self, x: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        q, k, v = self.qkv(x)
+        index_k = k.mean(2)
+        index_w = torch.full(q.shape[:3], 1.0 / self.h, dtype=q.dtype, device=q.device)
+        o = sparse_attention(
+            q, k, v, q, index_k, index_w, ctx, block=self.block, topk=self.topk
+        )
+        return self.out(x, o)
+
+
+class CompressedAttentionMixer(_AttentionBase):
+    """Gated compressed attention: block means of every ``ratio`` keys plus an exact window."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.ratio, self.window = cfg.ratio, cfg.window
+
+    def forward(self, x: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        q, k, v = self.qkv(x)
+        o = compressed_attention(q, k, v, ctx, ratio=self.ratio, window=self.window)
+        return self.out(x, o)
+
+
+_MIXERS = {"kda": KDAMixer, "sparse": SparseAttentionMixer, "compressed": CompressedAttentionMixer}
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str):
+        super().__init__()
+        if kind not in _MIXERS:
+            raise ValueError(f"unknown layer kind {kind!r}; expected one of {sorted(_MIXERS)}")
+        self.kind = kind
+        self.norm1, self.norm2 = RMSNorm(cfg.d_model), RMSNorm(cfg.d_model)
+        self.mixer = _MIXERS[kind](cfg)
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+
+    def forward(self, x: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        x = x + self.mixer(self.norm1(x), ctx)
+        return x + self.mlp(self.norm2(x))
+
+
+class HybridLM(nn.Module):
+    """Embedding -> blocks -> RMSNorm -> LM head. ``forward(input_ids, ctx) -> logits``."""
+
+    default_config = ModelConfig()
+
+    def __init__(self, cfg: ModelConfig | None = None, **overrides):
+        super().__init__()
+        cfg = cfg or self.default_config
+        if overrides:
+            cfg = replace(cfg, **overrides)
+        self.cfg = cfg
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(cfg.seed)  # same seed, same weights, on every rank and the twin
+        try:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            nn.init.normal_(self.embed.weight, std=1.0)
+            self.blocks = nn.ModuleList(Block(cfg, kind) for kind in cfg.layers)
+            self.norm = RMSNorm(cfg.d_model)
+            self.head = _linear(cfg.d_model, cfg.vocab_size)
+            nn.init.normal_(self.head.weight, std=0.02)  # start near the uniform ln(256)
+        finally:
+            torch.random.set_rng_state(gen_state)
+
+    @property
+    def pad_multiple(self) -> int:
+        return self.cfg.pad_multiple
+
+    def forward(self, input_ids: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, ctx)
+        return self.head(self.norm(x)).float()
+
+
+class Glm5FlashLike(HybridLM):
+    """GLM-5.3-Flash-like: (short conv -> KDA) blocks alternating with pooled-key sparse
+    attention blocks (block 4, top-8 earlier blocks per query)."""
+
+    default_config = ModelConfig(layers=("kda", "sparse", "kda", "sparse"))
+
+
+class Qwen38FlashNextLike(HybridLM):
+    """Qwen3.8-Flash-Next-like: three KDA blocks per gated compressed-attention block (ratio 4,
+    exact window 16)."""
+
+    default_config = ModelConfig(layers=("kda", "kda", "kda", "compressed"))
+
+
+MODELS = {"glm5": Glm5FlashLike, "qwen3": Qwen38FlashNextLike}
+
+
+def build_model(name: str, **overrides) -> HybridLM:
+    """``build_model("glm5" | "qwen3", **config_overrides)``."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}")
+    return MODELS[name](**overrides)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of the next-token cross entropies of the labelled tokens in ``logits``.
+
+    Divide by the number of labelled tokens of the **full** batch (:func:`count_loss_tokens`),
+    so that the per-rank losses of a CP step add up to the non-CP mean loss.
+    """
+    return F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def count_loss_tokens(labels: torch.Tensor) -> int:
+    """Labelled tokens of a (replicated, full) batch: the global loss denominator."""
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def all_reduce_grads(
+    model: nn.Module, group=None, extra: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Sum every parameter gradient over the CP ``group`` with one flat all-reduce (eager).
+
+    ``extra`` (e.g. the detached local loss) rides along in the same buffer; its sum over the
+    group is returned. No-op (returns ``extra``) when ``group`` is ``None`` or of size 1.
+    Parameters without a gradient on every rank (none in these models) are skipped.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return extra
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    parts = [g.reshape(-1) for g in grads]
+    if extra is not None:
+        parts.append(extra.detach().reshape(-1).to(grads[0].dtype if grads else torch.float32))
+    flat = torch.cat(parts)
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return flat[offset:].view_as(extra) if extra is not None else None
