@@ -130,7 +130,13 @@ class _BackwardAnchor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
-        return grad_output.new_zeros(ctx.shape, dtype=ctx.dtype)
+        # Zeros that *depend on* grad_output: constant zeros would let a compiler's partitioner
+        # hoist the gather's backward reduce-scatter into the forward graph of a rank that uses
+        # none of the gathered values, so ranks would issue collectives in different orders.
+        # (``g * 0`` is folded to a constant by inductor's joint-graph passes; a NaN test is
+        # not, and it is zero for every finite gradient.)
+        zero = torch.where(grad_output != grad_output, grad_output, 0.0)
+        return zero.to(ctx.dtype).expand(ctx.shape)
 
 
 def all_gather_backward_anchor(gathered: torch.Tensor) -> torch.Tensor:

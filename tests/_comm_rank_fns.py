@@ -121,3 +121,15 @@ def compiled_vs_eager(env, full: torch.Tensor, history: int):
         loss.backward()
         outs.append((loss.detach(), xi.grad))
     return outs
+
+
+def chain_inductor(env, ms: torch.Tensor, ss: torch.Tensor):
+    """state_chain compiled with inductor, forward + backward, on every rank."""
+    torch._dynamo.reset()
+    ctx = _ctx(env, 1, 1)
+    m = ms[env.rank].clone().requires_grad_()
+    s = ss[env.rank].clone().requires_grad_()
+    fn = torch.compile(lambda a, b: state_chain(a, b, ctx), backend="inductor", fullgraph=True)
+    out = fn(m, s)
+    out.sum().backward()
+    return out.detach(), m.grad, s.grad

@@ -132,7 +132,7 @@ def fake_group():
 SYNC_OPS = ("_local_scalar_dense", "aten.nonzero", "masked_select", "aten.item")
 
 
-def _capture(fn, *args):
+def _capture(fn, *args, partition_fn=None):
     """Forward and backward ATen graphs of ``fn`` compiled with fullgraph=True."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -146,7 +146,8 @@ def _capture(fn, *args):
 
         return compiler
 
-    backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+    extra = {"partition_fn": partition_fn} if partition_fn is not None else {}
+    backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"), **extra)
     torch._dynamo.reset()
     out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
     out.sum().backward()
@@ -184,3 +185,36 @@ def test_graph_has_exactly_the_expected_collectives_and_no_sync(fake_group, name
             assert sum(op_name in o for o in collectives) == count, (kind, collectives)
         assert len(collectives) == sum(expected.values()), (kind, collectives)
         assert not [o for o in ops if any(s in o for s in SYNC_OPS)], (kind, ops)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_min_cut_partitioner_keeps_backward_collectives_in_backward(fake_group, rank):
+    """Inductor's min-cut partitioner must not hoist a backward reduce-scatter into the forward.
+
+    Regression: the anchor's backward used to return constant zeros, so on rank 0 (which uses
+    none of the gathered blocks) the reduce-scatter depended on nothing from backward and was
+    moved into the forward graph: rank 0 then issued 3 collectives and rank 1 2, a hang/abort.
+    """
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    ctx = PackedContext(torch.ones(1, 32, dtype=torch.long), group=fake_group, cp_size=4,
+                        cp_rank=rank)
+    x = torch.randn(1, 8, 3, requires_grad=True)
+    graphs = _capture(lambda t: state_chain(t[0, :3, :3], t[0, :3, :], ctx), x,
+                      partition_fn=min_cut_rematerialization_partition)
+    fw = [o for o in _ops(graphs["fw"]) if "_c10d_functional" in o and "wait" not in o]
+    bw = [o for o in _ops(graphs["bw"]) if "_c10d_functional" in o and "wait" not in o]
+    assert fw == ["_c10d_functional.all_gather_into_tensor.default"], fw
+    assert bw == ["_c10d_functional.reduce_scatter_tensor.default"], bw
+
+
+def test_state_chain_compiled_with_inductor_keeps_ranks_in_step(rank_pool):
+    """Regression: inductor folded the anchor's constant-zero gradient and hoisted rank 0's
+    backward reduce-scatter into its forward (3 collectives on rank 0, 2 on rank 1: a hang)."""
+    ms = torch.randn(2, 2, 3, 3) * 0.5
+    ss = torch.randn(2, 2, 3, 4)
+    (out0, m0, s0), (out1, m1, s1) = rank_pool.run(fns.chain_inductor, 2, ms, ss)
+    assert not out0.any()
+    torch.testing.assert_close(out1, ss[0])
+    torch.testing.assert_close(s0, torch.ones_like(s0))  # rank 1's output is S_0
+    assert not m0.any() and not m1.any() and not s1.any()
