@@ -72,7 +72,7 @@ class DemoOptions:
     clip: float = 1.0
     seed: int = 0  # data order; the model's init seed is its config's
     compile: bool = True
-    backend: str = "aot_eager"  # "inductor" works too (slower to compile on CPU)
+    backend: str = "aot_eager"  # fastest to compile on CPU; inductor unrolls KDA's chunk loop
     reference: bool = True  # rank 0 also evaluates every step's weights without CP
     twin: bool = True  # rank 0 also trains an independent non-CP twin (own optimizer)
     optimizer: str = "adamw"  # or "sgd" (momentum 0.9): updates linear in the gradients
