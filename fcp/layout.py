@@ -36,7 +36,7 @@ import operator
 import torch
 
 __all__ = [
-    "PAD_DOC_ID", "SEQ_LENS_SENTINEL",
+    "PAD_DOC_ID", "OUTSIDE_DOC_ID", "SEQ_LENS_SENTINEL", "doc_ids_window",
     "doc_ids_from_cu_seqlens", "doc_ids_from_seq_lens",
     "segment_cu_seqlens", "packed_boundaries_from_seq_lens",
     "document_starts", "position_ids_from_doc_ids", "same_document", "lengths_from_doc_ids",
@@ -44,6 +44,8 @@ __all__ = [
 ]  # fmt: skip
 
 PAD_DOC_ID = 0
+#: Doc id of positions before/after the global map (halo windows): matches no token.
+OUTSIDE_DOC_ID = -1
 SEQ_LENS_SENTINEL = -1000
 
 
@@ -426,3 +428,23 @@ def validate_right_tail_mask(
             f"{name}[{b}, {j}] = 1 follows a 0; padding must be a right tail (valid* pad*)"
         )
     return mask
+
+
+def doc_ids_window(doc_ids: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """int64 ``[batch, length]``: doc ids of global positions ``start .. start + length - 1``.
+
+    ``start`` and ``length`` are Python ints (static); positions outside the map get ``OUTSIDE_DOC_ID`` (-1, which no token has).
+
+    >>> doc_ids_window(torch.tensor([[1, 1, 2]]), -2, 6).tolist()
+    [[-1, -1, 1, 1, 2, -1]]
+    """
+    total = doc_ids.shape[1]
+    left, right = max(0, -start), max(0, start + length - total)
+    lo, hi = max(0, start), min(total, start + length)
+    parts = []
+    if left:
+        parts.append(doc_ids.new_full((doc_ids.shape[0], left), OUTSIDE_DOC_ID))
+    parts.append(doc_ids[:, lo:max(lo, hi)])
+    if right:
+        parts.append(doc_ids.new_full((doc_ids.shape[0], right), OUTSIDE_DOC_ID))
+    return torch.cat(parts, 1) if len(parts) > 1 else parts[0]

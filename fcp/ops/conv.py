@@ -16,22 +16,11 @@ import torch.nn.functional as F
 
 from fcp.comm import left_halo
 from fcp.context import PackedContext
+from fcp.layout import doc_ids_window
 
 __all__ = ["short_conv", "short_conv_reference"]
 
 _ACTIVATIONS = (None, "silu", "swish")
-
-
-def _extended_doc_ids(context: PackedContext, history: int) -> torch.Tensor:
-    """int64 ``[batch, history + local_seq]``: the doc ids of the halo followed by the shard.
-
-    Positions before the global start get -1, a value no token has, so they are always masked.
-    Static slicing of the replicated map: no communication, no host sync.
-    """
-    doc = context.doc_ids
-    if history:
-        doc = torch.cat([doc.new_full((doc.shape[0], history), -1), doc], 1)
-    return doc[:, context.seq_start : context.seq_start + history + context.local_seq_len]
 
 
 def short_conv(
@@ -68,7 +57,9 @@ def short_conv(
         raise ValueError(f"x batch {x.shape[0]} != context batch {context.batch_size}")
     history = width - 1
     xx = torch.cat([left_halo(x, context, history), x], 1).float()
-    doc = _extended_doc_ids(context, history)
+    # halo + shard doc ids; positions before the global start match no token
+    start, length = context.seq_start - history, history + context.local_seq_len
+    doc = doc_ids_window(context.doc_ids, start, length)
     own = doc[:, history:]
     w = weight.float()
     out = x.new_zeros(x.shape, dtype=torch.float32)

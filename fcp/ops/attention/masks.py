@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from fcp.layout import PAD_DOC_ID
+from fcp.layout import OUTSIDE_DOC_ID, PAD_DOC_ID, doc_ids_window
 
 __all__ = [
     "OUTSIDE",
@@ -32,27 +32,7 @@ __all__ = [
     "same_doc",
 ]
 
-OUTSIDE = -1
-
-
-def doc_ids_window(doc_ids: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """int64 ``[batch, length]``: doc ids of global positions ``start .. start + length - 1``.
-
-    ``start`` and ``length`` are Python ints (static); positions outside the map get ``OUTSIDE``.
-
-    >>> doc_ids_window(torch.tensor([[1, 1, 2]]), -2, 6).tolist()
-    [[-1, -1, 1, 1, 2, -1]]
-    """
-    total = doc_ids.shape[1]
-    left, right = max(0, -start), max(0, start + length - total)
-    lo, hi = max(0, start), min(total, start + length)
-    parts = []
-    if left:
-        parts.append(doc_ids.new_full((doc_ids.shape[0], left), OUTSIDE))
-    parts.append(doc_ids[:, lo:max(lo, hi)])
-    if right:
-        parts.append(doc_ids.new_full((doc_ids.shape[0], right), OUTSIDE))
-    return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+OUTSIDE = OUTSIDE_DOC_ID  # doc id of positions outside the global map
 
 
 def same_doc(doc_q: torch.Tensor, doc_k: torch.Tensor) -> torch.Tensor:
