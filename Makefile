@@ -9,12 +9,15 @@ export PYTHONDONTWRITEBYTECODE = 1
 
 .PHONY: demo test test-fast bench gpu-check clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: the local CPU wheel; the project's range then installs nothing more.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,bench]'
+	# NeMo AutoModel is the seed adapters' test oracle; its dependency tree is heavy and its cp
+	# modules need only torch and FLA, so it comes without dependencies.
+	$(PY) -m pip install --quiet --no-deps 'nemo-automodel==0.7.0'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,6 +1,6 @@
 """Shared pytest configuration for ``tests/`` and ``property_tests/``.
 
-* ``rank_pool``: a session-wide :class:`fcp.testing.RankPool` of 4 gloo rank
+* ``rank_pool``: a session-wide :class:`tests.support.rank_pool.RankPool` of 4 gloo rank
   processes (started when first requested, ~5 s); see ``fcp/testing.py``.
 * ``@pytest.mark.gpu`` tests are skipped cleanly when CUDA is unavailable.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fcp.testing import RankPool
+from tests.support.rank_pool import RankPool
 
 # Gloo timeout for every collective wait in pool jobs.  A job whose ranks
 # disagree on collectives fails after this long.  It is generous because a

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from fcp.context import PackedContext
 from fcp.layout import doc_ids_from_seq_lens
 from fcp.ops.attention import compressed_attention, doc_causal_attention, sparse_attention
-from fcp.testing import RankPool
+from examples.comm_accounting import CommBytes
+from tests.support.rank_pool import RankPool
 
 HEADS, KV_HEADS, DIM, INDEX_HEADS, INDEX_DIM = 4, 2, 32, 4, 16
 RATIO, WINDOW, BLOCK, TOPK = 4, 16, 16, 8
@@ -80,25 +81,11 @@ def predicted_bytes(name: str, world: int, local: int) -> tuple[int, int]:
 
 
 def count_bytes(name, full, ctx) -> int:
-    """Bytes this rank receives from collectives in one forward (dispatch hook on funcol ops)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    got = [0]
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            op = str(func)
-            if "_c10d_functional" in op and "all_gather" in op:
-                got[0] += (out.numel() - args[0].numel()) * out.element_size()
-            elif "_c10d_functional" in op and "all_to_all" in op:
-                got[0] += out.numel() * out.element_size()
-            return out
-
+    """Bytes this rank receives from collectives in one forward (:class:`CommBytes`)."""
     sl = slice(ctx.seq_start, ctx.seq_end)
-    with torch.no_grad(), Count():
+    with torch.no_grad(), CommBytes(ctx.cp_rank, ctx.cp_size) as comm:
         run_op(name, {n: x[:, sl] for n, x in full.items()}, ctx)
-    return got[0]
+    return comm.received
 
 
 def _median_time(fn, repeats, group=None):

@@ -25,7 +25,7 @@ import torch.distributed._functional_collectives as funcol
 
 from fcp.comm import left_halo, state_chain
 from fcp.context import PackedContext
-from fcp.testing import RankPool
+from tests.support.rank_pool import RankPool
 
 
 def _ctx(env, local_len):

@@ -4,10 +4,10 @@ For each total length (default 8k, 16k, 32k, 64k tokens, one packed row of docum
 log-normal lengths around 1.5k tokens, some very short, plus a pad tail) it times one forward +
 backward of
 
-* ``static``  - :func:`fcp.ops.fla.fla_kda_static` (FLA's dense kernel through the ``fcp::`` op,
+* ``static``  - :func:`fcp.ops.kda.fla.kda_fla_static` (FLA's dense kernel through the ``fcp::`` op,
   gate resets from the doc-id map; what a compiled / CUDA-graphed model runs),
 * ``varlen``  - FLA's own ``chunk_kda(..., cu_seqlens=...)`` (the baseline),
-* ``fcp-varlen`` - :func:`fcp.ops.fla.fla_kda_varlen` (FLA's varlen path through the ``fcp::`` op),
+* ``fcp-varlen`` - :func:`fcp.ops.kda.fla.kda_fla_varlen` (FLA's varlen path through the ``fcp::`` op),
 * ``pure``    - :func:`fcp.ops.kda.kda` eager (only up to ``--pure-max`` tokens),
 
 and prints the ratio static / varlen (target <= 1.10). At the first length it also prints the
@@ -15,7 +15,7 @@ agreement of static, varlen and pure (bf16 inputs) with pure PyTorch on fp32 inp
 ``max |x - ref| / max |ref|`` of the output and of the q/k/v/g/beta gradients.
 
 Usage: ``python benchmarks/bench_fla_gpu.py [--lengths 8192 65536] [--heads 16] [--dim 128]
-[--autotune-max N]`` (``N`` bounds Triton autotuning per kernel, :mod:`fcp.ops.fla.tuning`; the
+[--autotune-max N]`` (``N`` bounds Triton autotuning per kernel, :mod:`tests.support.triton_tuning`; the
 bound applies to FLA's dense and varlen kernels alike).
 Prints ``skipped`` and exits 0 without CUDA. The last line is a JSON summary.
 """
@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fcp.context import PackedContext  # noqa: E402
-from fcp.ops.fla import fla_kda_static, fla_kda_varlen  # noqa: E402
+from fcp.ops.kda.fla import kda_fla_static, kda_fla_varlen  # noqa: E402
 from fcp.ops.kda import kda  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
@@ -80,9 +80,9 @@ def runners(doc: torch.Tensor):
     cu_cpu = segment_cu_seqlens(doc[0])
     cu = cu_cpu.to(DEVICE)
     return {
-        "static": lambda *xs: fla_kda_static(*xs, ctx),
+        "static": lambda *xs: kda_fla_static(*xs, ctx),
         "varlen": lambda *xs: chunk_kda(*xs, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)[0],
-        "fcp-varlen": lambda *xs: fla_kda_varlen(*xs, ctx),
+        "fcp-varlen": lambda *xs: kda_fla_varlen(*xs, ctx),
         "pure": lambda *xs: kda(*xs, ctx),
     }
 
@@ -143,13 +143,13 @@ def main(argv=None) -> int:
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cpu":  # dry run of this script on FLA's kernels under TRITON_INTERPRET=1
-        from fcp.ops.fla import interpret
+        from tests.support import fla_interpret as interpret
 
         interpret.enable()
     elif not torch.cuda.is_available():
         print("skipped: bench_fla_gpu needs a CUDA device")
         return 0
-    from fcp.ops.fla.tuning import limit_from_env, limit_triton_autotune
+    from tests.support.triton_tuning import limit_from_env, limit_triton_autotune
 
     if args.autotune_max is None:
         args.autotune_max = limit_from_env()

@@ -70,8 +70,8 @@ def main() -> None:
 
     cases = {
         "torch.cumsum (baseline)": lambda: torch.cumsum(doc_ids, dim=-1),
-        "shard_batch, one of 8 ranks": lambda: shard_batch(ranks[3], None, batch),
-        "shard_batch, all 8 ranks": lambda: [shard_batch(g, None, batch) for g in ranks],
+        "shard_batch, one of 8 ranks": lambda: shard_batch(ranks[3], batch),
+        "shard_batch, all 8 ranks": lambda: [shard_batch(g, batch) for g in ranks],
         "doc_ids_from_seq_lens": lambda: doc_ids_from_seq_lens(seq_lens, args.tokens),
         "segment_cu_seqlens": lambda: segment_cu_seqlens(doc_ids[0]),
         "position_ids_from_doc_ids": lambda: position_ids_from_doc_ids(doc_ids),

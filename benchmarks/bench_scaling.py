@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import fcp
 from fcp.layout import doc_ids_from_seq_lens
-from fcp.testing import RankPool
+from tests.support.rank_pool import RankPool
 
 D, HEADS, DK = 64, 2, 32
 

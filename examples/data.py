@@ -26,7 +26,7 @@ Example::
 
     data = PackedDocuments(seq_len=512, batch_size=1, seed=0)
     batch = next(iter(data))
-    _, local, ctx = fcp.shard_batch(cp_group, None, batch, pad_multiple=4)
+    local, ctx = fcp.shard_batch(cp_group, batch, pad_multiple=4)
 """
 
 from __future__ import annotations

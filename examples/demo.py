@@ -43,13 +43,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python examples/demo.py` puts examples/, not the repo, on the path
     sys.path.insert(0, str(REPO))
 
 import fcp  # noqa: E402
+from examples.comm_accounting import CommBytes, CountingBackend, dynamo_counts  # noqa: E402
 from examples.data import PackedDocuments  # noqa: E402
 from examples.models import (  # noqa: E402
     all_reduce_grads,
@@ -58,7 +58,7 @@ from examples.models import (  # noqa: E402
     token_loss_sum,
 )
 
-__all__ = ["DemoOptions", "CommBytes", "CountingBackend", "train", "main"]
+__all__ = ["DemoOptions", "train", "main"]
 
 
 @dataclasses.dataclass
@@ -81,130 +81,6 @@ class DemoOptions:
     progress: bool = True
     log_every: int = 10
     model_overrides: dict = dataclasses.field(default_factory=dict)
-
-
-# ---------------------------------------------------------------------------------------------
-# measuring: bytes on the wire and compilations
-# ---------------------------------------------------------------------------------------------
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
-# (wait_tensor, _wrap_tensor_autograd and friends move no data)
-_COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-
-
-def sent_bytes(op: str, nbytes: int, args, rank: int, world: int) -> int:
-    """Bytes one rank sends for a functional collective ``op`` on an input of ``nbytes``.
-
-    With ``n`` ranks: all-gather ``(n - 1) * input`` (its shard to every other rank);
-    reduce-scatter ``(n - 1) / n * input``; all-reduce ``2 (n - 1) / n * input`` (ring);
-    all-to-all the input rows addressed to other ranks (``args[2]``: input split sizes).
-    """
-    n = world
-    if op.startswith("all_gather"):
-        return nbytes * (n - 1)
-    if op.startswith("reduce_scatter"):
-        return nbytes * (n - 1) // n
-    if op.startswith("all_reduce"):
-        return 2 * nbytes * (n - 1) // n
-    if op.startswith("all_to_all"):
-        splits = args[2] if len(args) > 2 else None
-        if not splits:
-            return nbytes * (n - 1) // n
-        splits = [int(s) for s in splits]
-        return nbytes // max(sum(splits), 1) * (sum(splits) - splits[rank])
-    return 0
-
-
-def _nbytes(x) -> int:
-    """Bytes of a tensor, or of a list of tensors (coalesced collectives); fx nodes via meta."""
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(t) for t in x)
-    if isinstance(x, torch.fx.Node):
-        x = x.meta["val"]
-    return x.numel() * x.element_size()
-
-
-def _collective(target) -> str | None:
-    """The op name of a data-moving functional collective, else ``None``."""
-    name = getattr(target, "name", None)
-    if not callable(name):
-        return None
-    ns, _, op = name().partition("::")
-    if ns in _COLLECTIVE_NAMESPACES and op.startswith(_COLLECTIVE_OPS):
-        return op
-    return None
-
-
-class CommBytes(TorchDispatchMode):
-    """Counts the bytes this rank sends in functional collectives run **eagerly**
-    (:func:`sent_bytes`). Dynamo refuses to trace under a user dispatch mode, so compiled code
-    is counted by :class:`CountingBackend` instead."""
-
-    def __init__(self, rank: int, world: int):
-        super().__init__()
-        self.rank, self.world = rank, world
-        self.sent = 0
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        op = _collective(func)
-        if op is not None:
-            self.calls += 1
-            self.sent += sent_bytes(op, _nbytes(args[0]), args, self.rank, self.world)
-        return func(*args, **(kwargs or {}))
-
-
-class CountingBackend:
-    """A ``torch.compile`` backend that counts the graphs Dynamo hands it (``graphs - 1`` is the
-    number of recompilations of a ``fullgraph=True`` function), then defers to ``backend``.
-
-    With ``"aot_eager"`` it also reads every collective of the forward and backward graphs
-    AOTAutograd produces (static shapes, so the bytes of a graph are fixed) and adds them to
-    ``sent`` / ``calls`` each time a graph runs: the live count of bytes on the wire.
-    """
-
-    def __init__(self, backend: str = "aot_eager", rank: int = 0, world: int = 1):
-        self.name, self.rank, self.world = backend, rank, world
-        self.graphs = 0
-        self.sent = 0
-        self.calls = 0
-        self.counts_bytes = backend == "aot_eager"
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        if not self.counts_bytes:
-            return torch._dynamo.lookup_backend(self.name)(gm, example_inputs)
-        from torch._dynamo.backends.debugging import aot_eager
-
-        return aot_eager(gm, example_inputs, fw_compiler=self._compile, bw_compiler=self._compile)
-
-    def _compile(self, fx_g, example_inputs):
-        from torch._dynamo.backends.debugging import boxed_nop
-
-        sent = calls = 0
-        for node in fx_g.graph.nodes:
-            op = _collective(node.target) if node.op == "call_function" else None
-            if op is not None:
-                sent += sent_bytes(op, _nbytes(node.args[0]), node.args, self.rank, self.world)
-                calls += 1
-        inner = boxed_nop(fx_g, example_inputs)
-
-        def run(args):
-            self.sent += sent
-            self.calls += calls
-            return inner(args)
-
-        run._boxed_call = True
-        return run
-
-
-def dynamo_counts() -> dict:
-    """Dynamo's own counters (process-wide): graphs captured, graph breaks, AOT compilations."""
-    c = torch._dynamo.utils.counters
-    return {
-        "unique_graphs": c["stats"].get("unique_graphs", 0),
-        "graph_breaks": sum(c["graph_break"].values()),
-        "aot_compiles": c["aot_autograd"].get("total", 0),
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +149,7 @@ def train(group, opts: DemoOptions, *, on_step=None) -> dict:
         # a dispatch mode on every step would slow eager steps down several times).
         first = PackedDocuments(opts.seq_len, opts.batch_size, seed=opts.seed).batches(1)[0]
         first = {k: v.to(device) for k, v in first.items()}
-        _, local, ctx = fcp.shard_batch(group, None, first, pad_multiple=pad_multiple)
+        local, ctx = fcp.shard_batch(group, first, pad_multiple=pad_multiple)
         with CommBytes(rank, world) as probe:
             _loss_sum(model, local["input_ids"], local["labels"], ctx).backward()
         model.zero_grad(set_to_none=True)
@@ -292,7 +168,7 @@ def train(group, opts: DemoOptions, *, on_step=None) -> dict:
 
         # --- CP step: forward + backward on this rank's slice, grads summed over the group ----
         t0 = time.perf_counter()
-        _, local, ctx = fcp.shard_batch(group, None, batch, pad_multiple=pad_multiple)
+        local, ctx = fcp.shard_batch(group, batch, pad_multiple=pad_multiple)
         sent0, calls0 = backend.sent, backend.calls
         loss = step_fn(model, local["input_ids"], local["labels"], ctx) / n_tokens
         loss.backward()
@@ -303,7 +179,7 @@ def train(group, opts: DemoOptions, *, on_step=None) -> dict:
         # --- the same weights and batch without CP (rank 0, before the optimizer step) -------
         need_full = rank == 0 and (opts.reference or twin is not None)
         if need_full:
-            _, full, ctx1 = fcp.shard_batch(None, None, batch, pad_multiple=pad_multiple)
+            full, ctx1 = fcp.shard_batch(None, batch, pad_multiple=pad_multiple)
         if opts.reference and rank == 0:
             t1 = time.perf_counter()
             with torch.no_grad():

@@ -8,7 +8,7 @@
 Both are plain ``nn.Module`` s over byte tokens (vocabulary 256) whose ``forward`` takes this
 rank's token slice and its :class:`fcp.PackedContext`::
 
-    _, local, ctx = fcp.shard_batch(cp_group, None, batch, pad_multiple=model.pad_multiple)
+    local, ctx = fcp.shard_batch(cp_group, batch, pad_multiple=model.pad_multiple)
     logits = model(local["input_ids"], ctx)                    # [batch, local_seq, 256]
     loss = token_loss_sum(logits, local["labels"]) / n_loss_tokens_of_the_full_batch
 

@@ -35,7 +35,7 @@ def packed_batch() -> dict:
 
 def show(rank: int, world: int) -> str:
     batch = packed_batch()
-    _, local, ctx = fcp.shard_batch(dist.group.WORLD, None, batch, pad_multiple=4)
+    local, ctx = fcp.shard_batch(dist.group.WORLD, batch, pad_multiple=4)
     lines = [
         f"rank {rank}/{world}: global tokens [{ctx.seq_start}, {ctx.seq_end}) of "
         f"{ctx.global_seq_len} (original {ctx.original_seq_len})"

@@ -3,12 +3,12 @@
 Layers, bottom up (a module imports only the layers below it):
 
 * :mod:`fcp.layout` - document ids, boundaries, positions and their validation;
-* :mod:`fcp.groups`, :mod:`fcp.context` - CP group resolution and :class:`PackedContext`;
+* :mod:`fcp.groups`, :mod:`fcp.pytree`, :mod:`fcp.context` - CP group resolution, the pytree
+  helper and :class:`PackedContext`;
 * :mod:`fcp.comm` - funcol collectives: sequence gather, backward anchor, left halo, state chain;
 * :mod:`fcp.shard` - :func:`shard_batch` and its inverse :func:`gather_sequence`;
-* :mod:`fcp.ops` - operators (short conv, KDA, attention), each with its single-process reference;
-* :mod:`fcp.models` - the seed adapters (GLM-5.3-Flash, Qwen3.8-Flash-Next);
-* :mod:`fcp.testing` - a persistent multi-rank gloo pool for tests (imports nothing of fcp).
+* :mod:`fcp.ops` - operators (short conv, KDA, attention): one folder each, with its reference;
+* :mod:`fcp.models` - the seed adapters (GLM-5.3-Flash, Qwen3.8-Flash-Next).
 """
 
 from fcp.layout import (
@@ -19,7 +19,6 @@ from fcp.layout import (
     lengths_from_doc_ids,
     packed_boundaries_from_seq_lens,
     position_ids_from_doc_ids,
-    same_document,
     segment_cu_seqlens,
     validate_doc_ids,
     validate_right_tail_mask,
@@ -28,9 +27,9 @@ from fcp.groups import GroupInfo, resolve_group
 from fcp.context import PackedContext
 from fcp.comm import all_gather_backward_anchor, all_gather_sequence, left_halo, state_chain
 from fcp.shard import gather_sequence, shard_batch
+from fcp.ops.attention import compressed_attention, doc_causal_attention, sparse_attention
 from fcp.ops.conv import short_conv
 from fcp.ops.kda import kda
-from fcp.ops.attention import compressed_attention, doc_causal_attention, sparse_attention
 
 __all__ = [
     "PAD_DOC_ID",
@@ -50,7 +49,6 @@ __all__ = [
     "packed_boundaries_from_seq_lens",
     "position_ids_from_doc_ids",
     "resolve_group",
-    "same_document",
     "segment_cu_seqlens",
     "shard_batch",
     "sparse_attention",

@@ -29,6 +29,7 @@ from fcp.groups import GroupInfo, resolve_group
 __all__ = [
     "all_gather_sequence",
     "all_gather_backward_anchor",
+    "dependent_zeros",
     "left_halo",
     "halo_plan",
     "state_chain",
@@ -120,6 +121,20 @@ def _check_equal_shapes(tensor: torch.Tensor, info: GroupInfo, what: str) -> Non
 # ---------------------------------------------------------------------------------------------
 # backward anchor
 # ---------------------------------------------------------------------------------------------
+def dependent_zeros(grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Exact zeros of ``shape`` / ``dtype`` that a compiler cannot prove constant.
+
+    A backward collective's input must *depend on* the incoming gradient: constant zeros would let
+    a compiler's partitioner hoist the gather's backward reduce-scatter into the forward graph of a
+    rank that uses none of the gathered values, so ranks would issue collectives in different
+    orders (``g * 0`` is folded to a constant by inductor's joint-graph passes). ``(g != g) &
+    (g == g)`` is False for every value, NaN and inf included (a ``0 * g`` or a NaN-passing
+    ``where`` would turn one NaN in one document's gradient into NaN everywhere).
+    """
+    never = (grad != grad) & (grad == grad)
+    return never.any().to(dtype).expand(shape)
+
+
 class _BackwardAnchor(torch.autograd.Function):
     """Zero forward; zero gradient to ``gathered`` in backward, so its backward collective runs."""
 
@@ -130,13 +145,7 @@ class _BackwardAnchor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
-        # Zeros that *depend on* grad_output: constant zeros would let a compiler's partitioner
-        # hoist the gather's backward reduce-scatter into the forward graph of a rank that uses
-        # none of the gathered values, so ranks would issue collectives in different orders.
-        # (``g * 0`` is folded to a constant by inductor's joint-graph passes; a NaN test is
-        # not, and it is zero for every finite gradient.)
-        zero = torch.where(grad_output != grad_output, grad_output, 0.0)
-        return zero.to(ctx.dtype).expand(ctx.shape)
+        return dependent_zeros(grad_output, ctx.shape, ctx.dtype)
 
 
 def all_gather_backward_anchor(gathered: torch.Tensor) -> torch.Tensor:
@@ -146,7 +155,8 @@ def all_gather_backward_anchor(gathered: torch.Tensor) -> torch.Tensor:
     padding) would skip the gather's backward reduce-scatter while the other ranks wait in it: a
     hang. ``loss = loss + all_gather_backward_anchor(kv)`` changes no value and no gradient
     (unlike ``0 * kv.sum()`` it stays zero when ``kv`` holds inf/NaN) but makes every rank
-    join the collective.
+    join the collective. Its backward is NaN-free: a non-finite gradient of one document never
+    reaches another document's gathered values through it.
 
     Returns a 0-d tensor of ``gathered``'s dtype and device.
     """

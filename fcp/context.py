@@ -21,16 +21,33 @@ A single-process context needs nothing but the map: ``PackedContext(doc_ids)``.
 from __future__ import annotations
 
 import dataclasses
+import operator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-import torch.utils._pytree as pytree
 
-from fcp.groups import GroupInfo, resolve_group
-from fcp.layout import PAD_DOC_ID, position_ids_from_doc_ids, segment_cu_seqlens
+from fcp.groups import GroupInfo
+from fcp.layout import PAD_DOC_ID, position_ids_from_doc_ids, segment_cu_seqlens, validate_doc_ids
+from fcp.pytree import has_data, register_frozen_pytree
+
+_T = TypeVar("_T")
 
 __all__ = ["PackedContext"]
+
+
+def _strict_int(value: Any, name: str, minimum: int) -> int:
+    """``value`` as an int ``>= minimum``; bools, floats and strings are rejected (not truncated)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -39,7 +56,8 @@ class PackedContext:
 
     Attributes:
         doc_ids: int64 ``[batch, global_seq]``, the **global** (CP-padded) doc-id map, identical on
-            every rank. Documents are numbered 1, 2, ... per row; pad tokens are 0.
+            every rank. Documents are numbered 1, 2, ... per row; pad tokens are 0 and form a tail
+            (the form :func:`fcp.layout.validate_doc_ids` checks).
         group: the CP ``ProcessGroup`` (``None`` when CP is off).
         cp_size: number of CP ranks (1 when CP is off).
         cp_rank: this rank's index in ``group``.
@@ -50,6 +68,13 @@ class PackedContext:
 
     Only ``doc_ids`` is a pytree leaf; the rest is static. ``seq_start`` and ``local_seq_len``
     default to the values implied by ``cp_rank`` and ``cp_size``.
+
+    Validation: construction checks every static field and, eagerly, the map's values with
+    :func:`~fcp.layout.validate_doc_ids` (one host synchronisation, so every rank holding the same
+    replicated map reaches the same verdict before any collective). Build contexts eagerly, once
+    per batch (``fcp.shard_batch`` does), and pass them into the compiled model as arguments:
+    when ``torch.compile`` rebuilds a context from its pytree leaves (fake tensors), only the
+    static checks run, so a compiled region never synchronises.
     """
 
     doc_ids: torch.Tensor
@@ -59,9 +84,9 @@ class PackedContext:
     seq_start: int | None = None
     local_seq_len: int | None = None
     original_seq_len: int | None = None
-    # Host-side memo of per-row segment boundaries (planning runs once per batch, not per layer).
-    # Not part of equality, hashing or the pytree.
-    _row_cache: dict = field(default_factory=dict, compare=False, repr=False)
+    # Host-side memo of planning results (segment boundaries, FLA contexts): planning runs once
+    # per batch, not once per layer. Not part of equality, hashing or the pytree.
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         d = self.doc_ids
@@ -71,53 +96,44 @@ class PackedContext:
             raise ValueError(f"doc_ids must be [batch, sequence], got shape {tuple(d.shape)}")
         if d.dtype != torch.int64:
             raise ValueError(f"doc_ids must be int64, got {d.dtype}")
-        if not isinstance(self.cp_size, int) or self.cp_size < 1:
-            raise ValueError(f"cp_size must be a positive int, got {self.cp_size!r}")
-        if not 0 <= self.cp_rank < self.cp_size:
-            raise ValueError(f"cp_rank={self.cp_rank} is outside [0, cp_size={self.cp_size})")
-        if self.cp_size > 1 and self.group is None:
-            raise ValueError(f"cp_size={self.cp_size} needs a process group, got group=None")
+        if d.is_meta and not torch.compiler.is_compiling():
+            raise ValueError("doc_ids is a meta tensor; a context needs the real document map")
+        cp_size = _strict_int(self.cp_size, "cp_size", 1)
+        cp_rank = _strict_int(self.cp_rank, "cp_rank", 0)
+        if cp_rank >= cp_size:
+            raise ValueError(f"cp_rank={cp_rank} is outside [0, cp_size={cp_size})")
+        if cp_size > 1 and self.group is None:
+            raise ValueError(f"cp_size={cp_size} needs a process group, got group=None")
         total = d.shape[1]
         if self.local_seq_len is None:
-            if total % self.cp_size:
+            if total % cp_size:
                 raise ValueError(
-                    f"doc_ids sequence length {total} is not divisible by cp_size={self.cp_size}; "
+                    f"doc_ids sequence length {total} is not divisible by cp_size={cp_size}; "
                     "pad the batch with fcp.shard_batch first"
                 )
-            object.__setattr__(self, "local_seq_len", total // self.cp_size)
-        if self.local_seq_len * self.cp_size != total:
+            object.__setattr__(self, "local_seq_len", total // cp_size)
+        local = _strict_int(self.local_seq_len, "local_seq_len", 0)
+        if local * cp_size != total:
             raise ValueError(
-                f"local_seq_len={self.local_seq_len} * cp_size={self.cp_size} != "
-                f"doc_ids sequence length {total}"
+                f"local_seq_len={local} * cp_size={cp_size} != doc_ids sequence length {total}"
             )
-        expected_start = self.cp_rank * self.local_seq_len
+        expected_start = cp_rank * local
         if self.seq_start is None:
             object.__setattr__(self, "seq_start", expected_start)
-        if self.seq_start != expected_start:
+        if _strict_int(self.seq_start, "seq_start", 0) != expected_start:
             raise ValueError(
-                f"seq_start={self.seq_start} does not match cp_rank={self.cp_rank} * "
-                f"local_seq_len={self.local_seq_len} = {expected_start} (shards are contiguous)"
+                f"seq_start={self.seq_start} does not match cp_rank={cp_rank} * "
+                f"local_seq_len={local} = {expected_start} (shards are contiguous)"
             )
-        if self.original_seq_len is not None and not 0 <= self.original_seq_len <= total:
-            raise ValueError(
-                f"original_seq_len={self.original_seq_len} is outside [0, {total}] "
-                "(the padded global length)"
-            )
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def create(
-        cls, doc_ids: torch.Tensor, cp_group: Any = None, *, original_seq_len: int | None = None
-    ) -> "PackedContext":
-        """Build this rank's context from a replicated map and a group / 1-D mesh / ``None``."""
-        info = resolve_group(cp_group)
-        return cls(
-            doc_ids=doc_ids,
-            group=info.group,
-            cp_size=info.size,
-            cp_rank=info.rank,
-            original_seq_len=original_seq_len,
-        )
+        if self.original_seq_len is not None:
+            original = _strict_int(self.original_seq_len, "original_seq_len", 0)
+            if original > total:
+                raise ValueError(
+                    f"original_seq_len={original} is outside [0, {total}] "
+                    "(the padded global length)"
+                )
+        if has_data(d):
+            validate_doc_ids(d)
 
     # ------------------------------------------------------------------ static facts
     @property
@@ -191,79 +207,49 @@ class PackedContext:
         return tensor.narrow(dim, self.seq_start, self.local_seq_len)
 
     # ------------------------------------------------------------------ host-side planning
+    def memo(self, key: Hashable, compute: Callable[[], _T]) -> _T:
+        """``compute()``, evaluated once per context and ``key`` (host-side planning memo).
+
+        For planning that depends only on the replicated map (segment boundaries, FLA metadata):
+        every layer of a step then reuses the first result. Eager only; never inside a compiled
+        region. A context made by :meth:`replace` (or by pytree unflattening) starts empty.
+        """
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
     def row_cu_seqlens(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global segment boundaries of one batch row: ``(on doc_ids' device, on CPU)``.
 
         int64 ``[segments + 1]`` from 0 to ``global_seq``; the pad tail is its own segment.
         Host-side (synchronises); memoised per row so repeated layers pay once per batch.
         """
-        key = ("global", self._check_row(row))
-        if key not in self._row_cache:
+
+        def compute():
             cpu = segment_cu_seqlens(self.doc_ids[row].cpu())
-            self._row_cache[key] = (cpu.to(self.doc_ids.device), cpu)
-        return self._row_cache[key]
+            return cpu.to(self.doc_ids.device), cpu
+
+        return self.memo(("global_cu_seqlens", self.check_row(row)), compute)
 
     def local_cu_seqlens(self, row: int) -> torch.Tensor:
         """Segment boundaries of this rank's slice of ``row``, local indices, int64 on CPU.
 
         Example (the module docstring's layout, rank 1): ``[0, 1, 2, 3]``.
         """
-        key = ("local", self._check_row(row))
-        if key not in self._row_cache:
-            self._row_cache[key] = segment_cu_seqlens(self.local_doc_ids[row].cpu())
-        return self._row_cache[key]
+        return self.memo(
+            ("local_cu_seqlens", self.check_row(row)),
+            lambda: segment_cu_seqlens(self.local_doc_ids[row].cpu()),
+        )
 
-    def _check_row(self, row: int) -> int:
-        if not isinstance(row, int) or not 0 <= row < self.batch_size:
+    def check_row(self, row: int) -> int:
+        """``row`` if it is a batch row of this context, else ``ValueError``."""
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.batch_size:
             raise ValueError(f"row={row!r} is outside [0, batch={self.batch_size})")
         return row
 
     def replace(self, **changes: Any) -> "PackedContext":
-        """A new context with ``changes`` applied (fresh host-side memo)."""
-        changes.setdefault("_row_cache", {})
+        """A new context with ``changes`` applied (validated anew, fresh host-side memo)."""
         return dataclasses.replace(self, **changes)
 
 
-def _flatten(ctx: PackedContext):
-    static = (
-        ctx.group,
-        ctx.cp_size,
-        ctx.cp_rank,
-        ctx.seq_start,
-        ctx.local_seq_len,
-        ctx.original_seq_len,
-    )
-    return [ctx.doc_ids], static
-
-
-def _unflatten(children, static) -> PackedContext:
-    group, cp_size, cp_rank, seq_start, local_seq_len, original_seq_len = static
-    ctx = object.__new__(PackedContext)
-    # Bypass __post_init__: pytree unflattening also runs on fake/traced leaves, and the static
-    # fields were validated when the original context was built.
-    for name, value in (
-        ("doc_ids", children[0]),
-        ("group", group),
-        ("cp_size", cp_size),
-        ("cp_rank", cp_rank),
-        ("seq_start", seq_start),
-        ("local_seq_len", local_seq_len),
-        ("original_seq_len", original_seq_len),
-        ("_row_cache", {}),
-    ):
-        object.__setattr__(ctx, name, value)
-    return ctx
-
-
-def _flatten_with_keys(ctx: PackedContext):
-    children, static = _flatten(ctx)
-    return [(pytree.GetAttrKey("doc_ids"), children[0])], static
-
-
-pytree.register_pytree_node(
-    PackedContext,
-    _flatten,
-    _unflatten,
-    serialized_type_name="fcp.PackedContext",
-    flatten_with_keys_fn=_flatten_with_keys,
-)
+register_frozen_pytree(PackedContext, leaves=("doc_ids",), name="fcp.PackedContext")

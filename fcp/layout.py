@@ -22,7 +22,7 @@ Conventions (every function here follows them):
 Host-side functions (``doc_ids_from_*``, ``segment_cu_seqlens``,
 ``packed_boundaries_from_seq_lens``, ``validate_*``) may synchronise with the
 device and have data-dependent output shapes.  ``document_starts``,
-``position_ids_from_doc_ids``, ``same_document`` and ``lengths_from_doc_ids``
+``position_ids_from_doc_ids`` and ``lengths_from_doc_ids``
 are compile-safe: no host sync, no data-dependent shapes.  Nothing loops over
 documents or tokens in Python.  Every rejection is a ``ValueError`` naming the
 argument and the offending value; verdicts depend only on the inputs, so CP
@@ -39,7 +39,7 @@ __all__ = [
     "PAD_DOC_ID", "OUTSIDE_DOC_ID", "SEQ_LENS_SENTINEL", "doc_ids_window",
     "doc_ids_from_cu_seqlens", "doc_ids_from_seq_lens",
     "segment_cu_seqlens", "packed_boundaries_from_seq_lens",
-    "document_starts", "position_ids_from_doc_ids", "same_document", "lengths_from_doc_ids",
+    "document_starts", "position_ids_from_doc_ids", "lengths_from_doc_ids",
     "validate_doc_ids", "validate_right_tail_mask",
 ]  # fmt: skip
 
@@ -318,22 +318,6 @@ def position_ids_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     # The latest start at or before each token is a running max of start indices.
     run_start = torch.cummax(torch.where(document_starts(doc_ids), idx, 0), dim=-1).values
     return idx - run_start
-
-
-def same_document(
-    doc_q: torch.Tensor, doc_k: torch.Tensor, pad_matches_pad: bool = False
-) -> torch.Tensor:
-    """bool ``[..., q, k]``: query token and key token lie in the same document.
-
-    ``doc_q`` is ``[..., q]`` and ``doc_k`` is ``[..., k]`` (broadcastable
-    leading dims).  Pad never matches a real document; with
-    ``pad_matches_pad=True`` pad matches pad, which keeps fully-padded query
-    rows of an attention mask non-empty (avoids NaN softmax).  Compile-safe.
-    """
-    eq = doc_q[..., :, None] == doc_k[..., None, :]
-    if pad_matches_pad:
-        return eq
-    return eq & (doc_q != PAD_DOC_ID)[..., :, None]
 
 
 def lengths_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:

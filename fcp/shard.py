@@ -2,8 +2,9 @@
 
 :func:`shard_batch` runs eagerly, once per batch, on the replicated full batch. It validates and
 resolves everything host-side (so every rank reaches the same verdict and a bad batch raises the
-same ``ValueError`` on every rank before any collective), pads, slices, and returns this rank's
-``PackedContext`` for the compiled model. :func:`gather_sequence` is the inverse.
+same ``ValueError`` / ``TypeError`` on every rank before any collective), pads, slices, and
+returns this rank's local batch and ``PackedContext`` for the compiled model.
+:func:`gather_sequence` is the inverse.
 
 Worked example (2 ranks, ``pad_multiple=1``)::
 
@@ -17,15 +18,15 @@ Worked example (2 ranks, ``pad_multiple=1``)::
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Mapping
+import operator
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from fcp.comm import all_gather_sequence
 from fcp.context import PackedContext
-from fcp.groups import mesh_size, resolve_group
+from fcp.groups import resolve_group
 from fcp.layout import (
     PAD_DOC_ID,
     doc_ids_from_cu_seqlens,
@@ -172,9 +173,33 @@ def _mask_of(batch: Mapping[str, Any], primary: torch.Tensor) -> torch.Tensor | 
     return normalised[0]
 
 
+def _int_arg(value: Any, name: str, minimum: int) -> int:
+    try:
+        if isinstance(value, bool):  # operator.index would take True as 1
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _check_stream(key: str, t: Any) -> None:
+    """A token stream must be a real tensor of a sensible dtype (host-side, before any work)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{key} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_meta:
+        raise ValueError(f"{key} is a meta tensor; sharding needs real values")
+    integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+    if key in ("input_ids", "labels", "position_ids", "token_type_ids") and not integer:
+        raise TypeError(f"{key} must have an integer dtype, got {t.dtype}")
+    if key == "inputs_embeds" and not t.is_floating_point():
+        raise TypeError(f"inputs_embeds must be floating point, got {t.dtype}")
+
+
 def shard_batch(
     cp_mesh: Any,
-    tp_mesh: Any,
     batch: Mapping[str, Any],
     *,
     loss_mask: torch.Tensor | None = None,
@@ -182,22 +207,21 @@ def shard_batch(
     pad_multiple: int = 1,
     shard_primary: bool = True,
     extra_token_keys: tuple[str, ...] = (),
-) -> tuple[Callable[[], contextlib.AbstractContextManager], dict[str, Any], PackedContext]:
+) -> tuple[dict[str, Any], PackedContext]:
     """Validate, pad and contiguously shard a (packed) batch for this CP rank.
 
     Args:
         cp_mesh: 1-D ``DeviceMesh``, ``ProcessGroup`` or ``None`` (no CP).
-        tp_mesh: accepted by the sharder protocol; must be ``None`` or of size one.
         batch: full-sequence batch, identical on every CP rank, never mutated. Token streams
             ``[batch, sequence]`` (``[sequence]`` rows from THD collaters are accepted):
-            exactly one of ``input_ids`` (int) / ``inputs_embeds`` (``[batch, sequence, hidden]``);
-            optional ``labels``, ``position_ids``, ``loss_mask``, ``attention_mask`` /
-            ``padding_mask`` (binary, right-tail), ``token_type_ids``; packing metadata
-            ``doc_ids`` / ``cu_seqlens`` / ``seq_lens`` (+ ignored ``seq_lens_padded``).
-            Other entries are passed through unchanged.
+            exactly one of ``input_ids`` (integer) / ``inputs_embeds`` (float
+            ``[batch, sequence, hidden]``); optional ``labels`` (integer), ``position_ids``,
+            ``loss_mask``, ``attention_mask`` / ``padding_mask`` (binary, right-tail, True/1 =
+            valid token), ``token_type_ids``; packing metadata ``doc_ids`` / ``cu_seqlens`` /
+            ``seq_lens`` (+ ignored ``seq_lens_padded``). Other entries pass through unchanged.
         loss_mask: optional ``[batch, sequence]`` loss mask, sharded into ``local["loss_mask"]``
             (overrides ``batch["loss_mask"]``).
-        padding_token_id: input id appended for CP divisibility.
+        padding_token_id: input id appended for CP divisibility (an int).
         pad_multiple: every rank's local length is a multiple of this (e.g. 4 for a ratio-4
             compressed attention).
         shard_primary: ``False`` keeps ``input_ids`` / ``inputs_embeds`` full length (padded)
@@ -206,23 +230,25 @@ def shard_batch(
         extra_token_keys: further ``[batch, sequence, ...]`` keys to shard (padded with 0).
 
     Returns:
-        ``(context_factory, local_batch, context)``: a null context-manager factory (sharder
-        protocol), a **new** dict with this rank's slices (packing metadata removed, its layout
-        lives in ``context``; ``position_ids`` added from the document map when absent), and
-        this rank's :class:`~fcp.context.PackedContext`.
+        ``(local_batch, context)``: a **new** dict with this rank's slices (packing metadata
+        removed, its layout lives in ``context``; ``position_ids`` added from the document map
+        when absent: positions restart at every document) and this rank's
+        :class:`~fcp.context.PackedContext`.
+
+    Raises:
+        TypeError / ValueError naming the offending key or argument and its value, identically on
+        every rank (the verdict depends only on the replicated batch), before any collective.
+        A batch of zero rows is rejected.
 
     Padding (by meaning): input ids ``padding_token_id``, embeddings 0, labels -100, loss mask 0,
     validity masks False, position ids 0, doc id 0.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch must be a mapping, got {type(batch).__name__}")
-    if mesh_size(tp_mesh) > 1:
-        raise ValueError(
-            f"tp_mesh has size {mesh_size(tp_mesh)}; contiguous CP supports no tensor "
-            "parallelism (tp_mesh must be None or of size one)"
-        )
-    if not isinstance(pad_multiple, int) or pad_multiple < 1:
-        raise ValueError(f"pad_multiple must be a positive int, got {pad_multiple!r}")
+    pad_multiple = _int_arg(pad_multiple, "pad_multiple", 1)
+    padding_token_id = _int_arg(padding_token_id, "padding_token_id", -(2**63))
+    if not isinstance(shard_primary, bool):
+        raise TypeError(f"shard_primary must be a bool, got {shard_primary!r}")
     has_ids = batch.get("input_ids") is not None
     has_embeds = batch.get("inputs_embeds") is not None
     if has_ids == has_embeds:
@@ -230,13 +256,20 @@ def shard_batch(
             "batch must contain exactly one of input_ids / inputs_embeds, got "
             + ("both" if has_ids else "neither")
         )
+    token_keys = dict(TOKEN_KEYS)
+    token_keys.update({k: 0 for k in extra_token_keys})
+    if loss_mask is not None:
+        _check_stream("loss_mask", loss_mask)
+    for key in token_keys:
+        if batch.get(key) is not None:
+            _check_stream(key, batch[key])
     info = resolve_group(cp_mesh)
     work = normalize_batch_axis(batch)
     if loss_mask is not None:
         work["loss_mask"] = loss_mask.unsqueeze(0) if loss_mask.dim() == 1 else loss_mask
     primary_key = "input_ids" if has_ids else "inputs_embeds"
     primary = work[primary_key]
-    if primary_key == "input_ids" and (primary.dim() != 2 or primary.is_floating_point()):
+    if primary_key == "input_ids" and primary.dim() != 2:
         raise ValueError(
             f"input_ids must be an integer [batch, sequence] tensor, got shape "
             f"{tuple(primary.shape)} dtype {primary.dtype}"
@@ -246,8 +279,8 @@ def shard_batch(
             f"inputs_embeds must be [batch, sequence, hidden], got {tuple(primary.shape)}"
         )
     n_rows, seq_len = primary.shape[:2]
-    token_keys = {k: v for k, v in TOKEN_KEYS.items()}
-    token_keys.update({k: 0 for k in extra_token_keys})
+    if n_rows == 0:
+        raise ValueError(f"{primary_key} has batch size 0 (shape {tuple(primary.shape)})")
     for key in token_keys:
         t = work.get(key)
         if isinstance(t, torch.Tensor) and tuple(t.shape[:2]) != (n_rows, seq_len):
@@ -281,7 +314,7 @@ def shard_batch(
         t = pad_sequence_dim(t, pad, fill)
         keep_full = key == primary_key and not shard_primary
         local[key] = t if keep_full else context.shard(t, dim=1)
-    return contextlib.nullcontext, local, context
+    return local, context
 
 
 def gather_sequence(

@@ -4,15 +4,15 @@
 #   bash scripts/gpu_check.sh          # or: make gpu-check
 #
 # Installs nothing: uses the repo's venv ($PY, default .venv/bin/python). Steps:
-#   1. tests/test_fla_gpu.py (@pytest.mark.gpu): static and FLA-varlen modes vs fcp's pure-PyTorch
-#      operators (fwd + bwd, bf16 and fp32), static-mode CP composition on one device, the op's
-#      initial-state path, FLA-varlen conv, and a reduce-overhead (CUDA graph) training step that
-#      replays new packings without recompiling;
+#   1. every @pytest.mark.gpu test: tests/test_fla_gpu.py (the "fla" and "fla_varlen" KDA
+#      backends vs the pure-PyTorch operators, fwd + bwd, bf16 and fp32; the op's initial-state
+#      path; FLA-varlen conv; a reduce-overhead (CUDA graph) training step replaying new packings
+#      without recompiling) and the FlexAttention tests of tests/test_attention.py;
 #   2. benchmarks/bench_fla_gpu.py: static mode vs FLA's varlen chunk_kda (and fcp-varlen, pure
 #      PyTorch) at 8k-64k tokens, fwd + bwd times and the static/varlen ratio (target <= 1.10);
 #   3. a summary: agreement lines of both steps, times, pass/fail.
 #
-# Time box: Triton autotuning is bounded (FCP_FLA_AUTOTUNE_MAX, fcp/ops/fla/tuning.py; default 1
+# Time box: Triton autotuning is bounded (FCP_FLA_AUTOTUNE_MAX, tests/support/triton_tuning.py; default 1
 # config per kernel for the tests, 2 for the benchmark; 0 = full autotune), compiled kernels are
 # shared between steps through TRITON_CACHE_DIR, and each step has its own timeout. Logs and the
 # benchmark JSON go to $OUT (when set, e.g. on the device runner) or .cache/gpu_check.
@@ -40,7 +40,7 @@ fi
 
 echo "=== [1/2] GPU tests (timeout ${TEST_TIMEOUT}s) ==="
 FCP_FLA_AUTOTUNE_MAX="${FCP_FLA_AUTOTUNE_MAX_TESTS:-1}" timeout "$TEST_TIMEOUT" \
-    "$PY" -m pytest tests/test_fla_gpu.py -m gpu -q -s -rA -p no:cacheprovider --durations=0 \
+    "$PY" -m pytest tests property_tests -m gpu -q -s -rA -p no:cacheprovider --durations=0 \
     2>&1 | tee "$LOG_DIR/tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "[gpu_check] tests finished with status $tests_rc after $(elapsed)s"

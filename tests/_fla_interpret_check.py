@@ -22,16 +22,17 @@ from __future__ import annotations
 import json
 import time
 
-from fcp.ops.fla import interpret
+from tests.support import fla_interpret
 
-interpret.enable()
+fla_interpret.enable()
 
 import torch  # noqa: E402
 
 from fcp.context import PackedContext  # noqa: E402
 from fcp.ops.conv import short_conv_reference  # noqa: E402
-from fcp.ops.fla import fla_kda_static, fla_kda_varlen, fla_short_conv_varlen, ops  # noqa: E402
-from fcp.ops.kda import kda_reference  # noqa: E402
+from fcp.ops.conv.fla import short_conv_fla_varlen  # noqa: E402
+from fcp.ops.kda.fla import fla_kda_fwd, kda_fla_static, kda_fla_varlen  # noqa: E402
+from fcp.ops.kda.reference import kda_recurrence, kda_reference  # noqa: E402
 from tests._fla_rank_fns import doc_ids_from_lengths, make_inputs, rel_err  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
@@ -60,7 +61,7 @@ def check_static() -> dict:
     ctx = PackedContext(doc)
     inputs = make_inputs(1, doc.shape[1], 1, 2, 16, 16, seed=1)
     return _compare(
-        lambda *xs: fla_kda_static(*xs, ctx, chunk_size=32),
+        lambda *xs: kda_fla_static(*xs, ctx, chunk_size=32),
         lambda *xs: kda_reference(*xs, ctx),
         inputs,
         seed=2,
@@ -78,12 +79,14 @@ def check_h0() -> dict:
     dht = torch.randn(b, hv, dk, dv + dk, generator=gen)
     res = {}
     outs = {}
-    for name, forced in (("fla", True), ("torch", False)):
-        with ops.force_fla_kernels(forced):
-            xs = [x.clone().requires_grad_() for x in (inputs["q"], inputs["k"], v_aug, inputs["g"], inputs["beta"])]
-            o, ht = ops.fla_kda_fwd(*xs, h0, 0.25, 32)[:2]
-            ((o * do).sum() + (ht * dht).sum()).backward()
-            outs[name] = [o.detach(), ht.detach()] + [x.grad for x in xs]
+    for name in ("fla", "torch"):
+        xs = [x.clone().requires_grad_() for x in (inputs["q"], inputs["k"], v_aug, inputs["g"], inputs["beta"])]
+        if name == "fla":
+            o, ht = fla_kda_fwd(*xs, h0, 0.25, 32)[:2]
+        else:
+            o, ht = kda_recurrence(*xs, 0.25, initial_state=h0)
+        ((o * do).sum() + (ht * dht).sum()).backward()
+        outs[name] = [o.detach(), ht.detach()] + [x.grad for x in xs]
     for i, key in enumerate(("out", "final_state", "dq", "dk", "dv", "dg", "dbeta")):
         res[key] = rel_err(outs["fla"][i], outs["torch"][i])
     return res
@@ -94,7 +97,7 @@ def check_varlen() -> dict:
     ctx = PackedContext(doc)
     inputs = make_inputs(1, doc.shape[1], 1, 1, 16, 16, seed=5)
     return _compare(
-        lambda *xs: fla_kda_varlen(*xs, ctx, chunk_size=32),
+        lambda *xs: kda_fla_varlen(*xs, ctx, chunk_size=32),
         lambda *xs: kda_reference(*xs, ctx),
         inputs,
         seed=6,
@@ -112,7 +115,7 @@ def check_conv() -> dict:
     res = {}
     got = {}
     for name, fn in (
-        ("fla", lambda x, w, b: fla_short_conv_varlen(x, w, b, ctx, "silu")),
+        ("fla", lambda x, w, b: short_conv_fla_varlen(x, w, b, ctx, "silu")),
         ("ref", lambda x, w, b: short_conv_reference(x, w, b, doc, "silu")),
     ):
         xs = [t.clone().requires_grad_() for t in (x, w, bias)]

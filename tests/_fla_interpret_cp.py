@@ -1,7 +1,7 @@
 """FLA's own context-parallel path (varlen mode) on CPU: Triton interpreter + gloo ranks.
 
 ``python -m tests._fla_interpret_cp`` starts a fresh 2-rank gloo pool (``TRITON_INTERPRET=1`` is
-inherited by the spawned ranks), runs :func:`fla_kda_varlen` and :func:`fla_short_conv_varlen`
+inherited by the spawned ranks), runs :func:`kda_fla_varlen` and :func:`short_conv_fla_varlen`
 with CP on each rank (FLA's kernels, FLA's CP state exchange and conv halo, fed by
 :func:`build_fla_cp_context` through the ``fcp::`` ops) and prints one JSON line: max relative
 errors of the concatenated outputs (KDA: and gradients) against fcp's single-process references.
@@ -22,26 +22,27 @@ from tests._fla_rank_fns import NAMES, _local, doc_ids_from_lengths, make_inputs
 
 
 def cp_rank_job(env, inputs, doc, grad_out, x, w, b):
-    from fcp.ops.fla import interpret
+    from tests.support import fla_interpret
 
-    interpret.enable(allow_cpu_cp=True)
-    from fcp.ops.fla import fla_kda_varlen, fla_short_conv_varlen
+    fla_interpret.enable(allow_cpu_cp=True)
+    from fcp.ops.conv.fla import short_conv_fla_varlen
+    from fcp.ops.kda.fla import kda_fla_varlen
 
     ctx = PackedContext(doc, group=env.group, cp_size=env.world_size, cp_rank=env.rank)
     xs = {n: _local(env, inputs[n]).clone().requires_grad_() for n in NAMES}
-    out = fla_kda_varlen(*(xs[n] for n in NAMES), ctx, chunk_size=32)
+    out = kda_fla_varlen(*(xs[n] for n in NAMES), ctx, chunk_size=32)
     (out * _local(env, grad_out)).sum().backward()
     # conv: forward only; the Triton interpreter cannot run FLA's conv backward with a halo
     # (initial_state) kernel ("mask has unsupported dtype"), the GPU can
     with torch.no_grad():
-        y = fla_short_conv_varlen(_local(env, x), w, b, ctx, "silu")
+        y = short_conv_fla_varlen(_local(env, x), w, b, ctx, "silu")
     return out.detach(), {n: xs[n].grad for n in NAMES}, y
 
 
 def main() -> None:
     from fcp.ops.conv import short_conv_reference
     from fcp.ops.kda import kda_reference
-    from fcp.testing import RankPool
+    from tests.support.rank_pool import RankPool
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     t0 = time.perf_counter()

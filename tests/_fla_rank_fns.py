@@ -10,7 +10,9 @@ import dataclasses
 import torch
 
 from fcp.context import PackedContext
-from fcp.ops.fla import build_fla_cp_context, fla_kda_static
+import tests.support.fla_cpu_kernels  # noqa: F401  (CPU kernels of the fcp::fla_* ops)
+from fcp.ops.fla_support import build_fla_cp_context
+from fcp.ops.kda.fla import kda_fla_static
 
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -65,13 +67,13 @@ def _local(env, x: torch.Tensor) -> torch.Tensor:
 # rank functions
 # ---------------------------------------------------------------------------------------------
 def static_kda_fwd_bwd(env, inputs: dict, doc_ids, grad_out, chunk_size: int, compiled=False):
-    """Local output and gradients of :func:`fla_kda_static` (the op's PyTorch fallback on CPU)."""
+    """Local output and gradients of :func:`kda_fla_static` (the ops' CPU test doubles)."""
     ctx = _ctx(env, doc_ids)
     xs = {n: _local(env, inputs[n]).clone().requires_grad_() for n in NAMES}
-    fn = fla_kda_static
+    fn = kda_fla_static
     if compiled:
         torch._dynamo.reset()
-        fn = torch.compile(fla_kda_static, fullgraph=True, backend="aot_eager")
+        fn = torch.compile(kda_fla_static, fullgraph=True, backend="aot_eager")
     out = fn(*(xs[n] for n in NAMES), ctx, chunk_size=chunk_size)
     (out.double() * _local(env, grad_out)).sum().backward()
     return out.detach(), {n: xs[n].grad for n in NAMES}

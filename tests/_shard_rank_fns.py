@@ -10,7 +10,7 @@ from fcp.shard import gather_sequence, shard_batch
 def shard_and_gather(env, batch: dict, pad_multiple: int, use_mesh: bool):
     """Shard ``batch`` on this rank, then gather every token stream back to the full row."""
     group = env.mesh() if use_mesh else env.group
-    _, local, ctx = shard_batch(group, None, batch, pad_multiple=pad_multiple)
+    local, ctx = shard_batch(group, batch, pad_multiple=pad_multiple)
     gathered = {}
     for key, value in local.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
@@ -30,7 +30,7 @@ def shard_and_gather(env, batch: dict, pad_multiple: int, use_mesh: bool):
 def shard_error(env, batch: dict, kwargs: dict):
     """Return the error every rank raises for a bad batch (or None)."""
     try:
-        shard_batch(env.group, kwargs.pop("tp", None), batch, **kwargs)
+        shard_batch(env.group, batch, **kwargs)
     except (ValueError, TypeError) as err:
         return type(err).__name__, str(err)
     return None
@@ -39,7 +39,7 @@ def shard_error(env, batch: dict, kwargs: dict):
 def gather_grad(env, full: torch.Tensor):
     """Gradients of the unpadded gather flow back to the rank that owns each token."""
     batch = {"inputs_embeds": full}
-    _, local, ctx = shard_batch(env.group, None, batch)
+    local, ctx = shard_batch(env.group, batch)
     x = local["inputs_embeds"].clone().requires_grad_()
     out = gather_sequence(x, ctx)
     weights = torch.arange(out.numel(), dtype=out.dtype).view_as(out)
@@ -48,17 +48,8 @@ def gather_grad(env, full: torch.Tensor):
 
 
 def primary_kept_full(env, batch: dict):
-    _, local, ctx = shard_batch(env.group, None, batch, shard_primary=False)
+    local, ctx = shard_batch(env.group, batch, shard_primary=False)
     embeds = torch.nn.functional.one_hot(local["input_ids"], 8).float().requires_grad_()
     sliced = ctx.shard(embeds)
     sliced.sum().backward()
     return local["input_ids"].shape, local["labels"], sliced.detach(), embeds.grad
-
-
-def shard_error_tp(env, batch: dict):
-    """A TP mesh of size > 1 is rejected on every rank."""
-    try:
-        shard_batch(None, env.group, batch)
-    except ValueError as err:
-        return type(err).__name__, str(err)
-    return None

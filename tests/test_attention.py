@@ -1,7 +1,7 @@
 """Unit tests for fcp.ops.attention.
 
-Each operator is checked against an independent float64 reference written straight from its
-definition (one query at a time, Python loops over keys/blocks), forward and q/k/v gradients;
+Each operator is checked against its float64 reference (``<op>/reference.py``: the definition,
+one query at a time, Python loops over keys/blocks), forward and q/k/v gradients;
 then isolation between documents and causality (bitwise), pad handling, the sparse indexer's
 ties and missing candidates, argument errors, CP on real gloo groups, and torch.compile.
 """
@@ -15,118 +15,14 @@ import torch
 
 from fcp.context import PackedContext
 from fcp.layout import doc_ids_from_seq_lens
+from fcp.ops.attention.compressed import compressed_attention_reference as ref_compressed
+from fcp.ops.attention.doc_causal import doc_causal_attention_reference as ref_doc_causal
+from fcp.ops.attention.sparse import sparse_attention_reference as ref_sparse
+from fcp.ops.attention.sparse.reference import sparse_selection_reference as ref_sparse_selection
+from fcp.ops.attention.loops import attend_keys, prepare
 from tests import _attention_rank_fns as fns
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
-
-
-# ============================================================================ references
-def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """kv-head tensor ``[..., hkv, d]`` -> query-head tensor ``[..., hkv * groups, d]``."""
-    return x.repeat_interleave(groups, dim=-2)
-
-
-def _softmax_row(qt, keys, vals, scale):
-    """float64 attention of one query ``[H, D]`` over ``keys``/``vals`` lists of ``[H, D]``."""
-    if not keys:  # pad query: zeros (still attached to q, so autograd always has a graph)
-        return qt * 0.0
-    kk, vv = torch.stack(keys), torch.stack(vals)  # [n, H, D]
-    s = torch.einsum("hd,nhd->hn", qt, kk) * scale
-    return torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vv)
-
-
-def _prep(q, k, v, scale):
-    q, k, v = q.double(), k.double(), v.double()
-    g = q.shape[2] // k.shape[2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return q, _heads(k, g), _heads(v, g), scale
-
-
-def ref_doc_causal(q, k, v, doc_ids, scale=None):
-    q, k, v, scale = _prep(q, k, v, scale)
-    batch, seq = doc_ids.shape
-    rows = []
-    for b in range(batch):
-        for t in range(seq):
-            d = int(doc_ids[b, t])
-            keys = [s for s in range(t + 1) if d != 0 and int(doc_ids[b, s]) == d]
-            rows.append(_row(q[b, t], k[b], v[b], keys, scale))
-    return torch.stack(rows).view(batch, seq, *rows[0].shape)
-
-
-def _row(qt, k, v, keys, scale):
-    return _softmax_row(qt, [k[s] for s in keys], [v[s] for s in keys], scale)
-
-
-def ref_compressed(q, k, v, doc_ids, ratio=4, window=None, scale=None):
-    window = ratio if window is None else window
-    q, k, v, scale = _prep(q, k, v, scale)
-    batch, seq = doc_ids.shape
-    rows = []
-    for b in range(batch):
-        doc = [int(x) for x in doc_ids[b]]
-        for t in range(seq):
-            keys, vals = [], []
-            if doc[t] != 0:
-                for blk in range(seq // ratio):
-                    toks = range(blk * ratio, (blk + 1) * ratio)
-                    if all(doc[s] == doc[t] for s in toks) and (blk + 1) * ratio <= t:
-                        keys.append(torch.stack([k[b, s] for s in toks]).mean(0))
-                        vals.append(torch.stack([v[b, s] for s in toks]).mean(0))
-                for s in range(max(0, t - window + 1), t + 1):
-                    if doc[s] == doc[t]:
-                        keys.append(k[b, s])
-                        vals.append(v[b, s])
-            rows.append(_softmax_row(q[b, t], keys, vals, scale))
-    return torch.stack(rows).view(batch, seq, *rows[0].shape)
-
-
-def ref_sparse_selection(index_q, index_k, index_weights, doc_ids, block, topk):
-    """Per (row, query): (selected blocks, ambiguous). Scores straight from the definition:
-    pooled over the block's tokens of doc(t); candidates: earlier blocks holding doc(t); ties to
-    the earlier block. ``ambiguous``: the top-k boundary is within float32 noise."""
-    iq, ik, w = index_q.double(), index_k.double(), index_weights.double()
-    batch, seq = doc_ids.shape
-    out = {}
-    for b in range(batch):
-        doc = [int(x) for x in doc_ids[b]]
-        for t in range(seq):
-            cands = []
-            for blk in range(t // block if doc[t] else 0):
-                toks = [s for s in range(blk * block, (blk + 1) * block) if doc[s] == doc[t]]
-                if toks:
-                    pooled = torch.stack([ik[b, s] for s in toks]).mean(0)
-                    args = iq[b, t] @ pooled  # [index_heads]
-                    cands.append((float((w[b, t] * torch.relu(args)).sum()), blk, args))
-            cands.sort(key=lambda c: (-c[0], c[1]))
-            ambiguous = False
-            if len(cands) > topk:
-                (s0, _, a0), (s1, _, a1) = cands[topk - 1], cands[topk]
-                exact_zero_tie = s0 == s1 == 0 and bool((a0 < -1e-4).all() & (a1 < -1e-4).all())
-                ambiguous = abs(s0 - s1) < 1e-4 and not exact_zero_tie
-            out[b, t] = ([c[1] for c in cands[:topk]], ambiguous)
-    return out
-
-
-def ref_sparse(q, k, v, index_q, index_k, index_weights, doc_ids, block=4, topk=16, scale=None):
-    """Returns (output, ambiguous)."""
-    sel = ref_sparse_selection(index_q, index_k, index_weights, doc_ids, block, topk)
-    q, k, v, scale = _prep(q, k, v, scale)
-    batch, seq = doc_ids.shape
-    rows, ambiguous = [], False
-    for b in range(batch):
-        doc = [int(x) for x in doc_ids[b]]
-        for t in range(seq):
-            blocks, amb = sel[b, t]
-            ambiguous |= amb
-            keys = [
-                s
-                for blk in sorted(blocks + [t // block])
-                for s in range(blk * block, min(seq, (blk + 1) * block))
-                if doc[t] != 0 and doc[s] == doc[t] and s <= t
-            ]
-            rows.append(_row(q[b, t], k[b], v[b], keys, scale))
-    return torch.stack(rows).view(batch, seq, *rows[0].shape), ambiguous
 
 
 # ============================================================================ helpers
@@ -308,11 +204,11 @@ def test_sparse_ties_go_to_the_earlier_block():
     inputs["index_k"].zero_()
     kw = {"block": block, "topk": 2}
     got = _call("sparse", inputs, doc_ids, kw)
-    q, k, v, scale = _prep(inputs["q"], inputs["k"], inputs["v"], None)
+    q, k, v, scale = prepare(inputs["q"], inputs["k"], inputs["v"], None)
     for t in range(seq):
         keys = [s for blk in sorted({0, 1} & set(range(t // block)) | {t // block})
                 for s in range(blk * block, (blk + 1) * block) if s <= t]
-        want = _softmax_row(q[0, t], [k[0, s] for s in keys], [v[0, s] for s in keys], scale)
+        want = attend_keys(q[0, t], k[0], v[0], keys, scale)
         torch.testing.assert_close(got[0, t].double(), want, **FP32)
 
 
@@ -461,47 +357,32 @@ def test_compile_cp_two_ranks(rank_pool):
 FLEX_WARNINGS = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-@pytest.fixture
-def flex_mode(monkeypatch):
-    from fcp.ops.attention import flex
-
-    def set_mode(mode):
-        monkeypatch.setattr(flex, "MODE", mode)
-
-    return set_mode
-
-
 @FLEX_WARNINGS
 @pytest.mark.parametrize("name,kwargs", CASES, ids=lambda x: str(x) if isinstance(x, dict) else x)
-def test_flex_masks_equal_dense_masks_cpu(flex_mode, name, kwargs):
+def test_flex_masks_equal_dense_masks_cpu(name, kwargs):
     """The Flex mask_mod and the dense masks agree (Flex forward runs on CPU without grad)."""
     for i, pack in enumerate(["straddling_blocks", "two_rows"]):
         seq, *rows = PACKINGS[pack]
         doc_ids = packing(seq, *rows)
         inputs = fns.make_inputs(i, len(rows), seq, heads=4, kv_heads=2)
-        flex_mode("off")
-        want = _call(name, inputs, doc_ids, kwargs)
-        flex_mode("force")
-        got = _call(name, inputs, doc_ids, kwargs)
+        want = _call(name, inputs, doc_ids, {**kwargs, "backend": "dense"})
+        got = _call(name, inputs, doc_ids, {**kwargs, "backend": "flex"})
         torch.testing.assert_close(got, want, **FP32)
 
 
 @FLEX_WARNINGS
 @pytest.mark.slow  # ~30 s: tracing the FlexAttention higher-order op
-def test_flex_compiles_without_recompiles_cpu(flex_mode):
+def test_flex_compiles_without_recompiles_cpu():
     import torch._dynamo.testing
 
-    flex_mode("force")
     inputs = fns.make_inputs(0, 2, 16)
     for name in ["sparse"]:  # the richest mask_mod; the others trace the same helper
         torch._dynamo.reset()
         counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
         fn = torch.compile(fns.call_op, backend=counter, fullgraph=True)
         for doc_ids in random_packings(2, 2, 16, seed=4):
-            got = fn(name, inputs, PackedContext(doc_ids), CP_KWARGS[name])
-            flex_mode("off")
-            want = _call(name, inputs, doc_ids, CP_KWARGS[name])
-            flex_mode("force")
+            got = fn(name, inputs, PackedContext(doc_ids), {**CP_KWARGS[name], "backend": "flex"})
+            want = _call(name, inputs, doc_ids, {**CP_KWARGS[name], "backend": "dense"})
             torch.testing.assert_close(got, want, **FP32)
         assert counter.frame_count == 1, name
 
@@ -509,7 +390,7 @@ def test_flex_compiles_without_recompiles_cpu(flex_mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", fns.OPS)
-def test_flex_cuda_matches_dense(flex_mode, name, dtype):
+def test_flex_cuda_matches_dense(name, dtype):
     """On CUDA the Flex backend (forward and q/k/v grads) equals the dense backend."""
     seq = 256
     doc_ids = packing(seq, [1, 60, 3, 100, 17, 50]).cuda()
@@ -517,10 +398,8 @@ def test_flex_cuda_matches_dense(flex_mode, name, dtype):
     grad_out = torch.randn(1, seq, 4, 16, device="cuda")
     kwargs = {"doc_causal": {}, "compressed": {"ratio": 4, "window": 8},
               "sparse": {"block": 16, "topk": 3}}[name]
-    flex_mode("off")
-    want = fns.single_process(name, inputs, doc_ids, kwargs, grad_out)
-    flex_mode("auto")
-    got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out)
+    want = fns.single_process(name, inputs, doc_ids, {**kwargs, "backend": "dense"}, grad_out)
+    got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out)  # auto: flex on CUDA
     tol = FP32 if dtype == torch.float32 else BF16
     tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else tol  # TF32-free, reordered sums
     for key in ("out",) + fns.QKV:

@@ -14,7 +14,7 @@ from fcp.comm import (
     state_chain,
 )
 from fcp.context import PackedContext
-from fcp.testing import RankError
+from tests.support.rank_pool import RankError
 from tests import _comm_rank_fns as fns
 
 

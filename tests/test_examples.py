@@ -16,7 +16,8 @@ import torch
 
 import fcp
 from examples.data import IGNORE_INDEX, PackedDocuments, decode, stdlib_source_files
-from examples.demo import CommBytes, DemoOptions, train
+from examples.comm_accounting import CommBytes
+from examples.demo import DemoOptions, train
 from examples.models import MODELS, build_model
 from tests import _example_rank_fns as fns
 
@@ -86,7 +87,7 @@ def test_packed_documents_are_valid_real_text():
     one = PackedDocuments(seq_len, batch_size=1, seed=0).batches(1)[0]
     assert torch.equal(fcp.doc_ids_from_cu_seqlens(one["cu_seqlens"], seq_len),
                        fcp.doc_ids_from_seq_lens(one["seq_lens"], seq_len))
-    _, local, ctx = fcp.shard_batch(None, None, one, pad_multiple=4)
+    local, ctx = fcp.shard_batch(None, one, pad_multiple=4)
     assert torch.equal(local["input_ids"][:, :seq_len], one["input_ids"])
     assert ctx.global_seq_len % 4 == 0
 
@@ -123,7 +124,7 @@ def test_models_run_single_process_and_count_bytes():
     batch = PackedDocuments(64, batch_size=1).batches(1)[0]
     for name in MODELS:
         model = build_model(name, layers=("kda", "sparse" if name == "glm5" else "compressed"))
-        _, local, ctx = fcp.shard_batch(None, None, batch, pad_multiple=model.pad_multiple)
+        local, ctx = fcp.shard_batch(None, batch, pad_multiple=model.pad_multiple)
         with CommBytes(0, 1) as comm:
             logits = model(local["input_ids"], ctx)
         assert logits.shape == (1, ctx.global_seq_len, 256) and comm.calls == 0

@@ -1,7 +1,9 @@
-"""FLA interop on CPU: FLA CP planning, the ``fcp::`` custom ops, both modes, compile, dispatch.
+"""FLA interop on CPU: FLA CP planning, the ``fcp::`` custom ops, both FLA backends, compile,
+dispatch.
 
-What runs here (no GPU): the custom ops' PyTorch fallbacks (per-token recurrence / masked conv),
-which implement exactly the contract of FLA's kernels, so the op plumbing (schemas, fake kernels,
+What runs here (no GPU): the ops are CUDA-only; :mod:`tests.support.fla_cpu_kernels` registers
+CPU kernels built from fcp's references (the recurrence and ``torch.func.vjp`` of it) that
+implement exactly the contract of FLA's kernels, so the op plumbing (schemas, fake kernels,
 autograd formulas), the static-mode composition (gate resets, CP state chain around the op) and
 compile behaviour are all checked against fcp's references. FLA's real Triton kernels run here only
 under the Triton CPU interpreter (``test_fla_kernels_under_triton_interpreter``, marked ``slow``).
@@ -27,20 +29,21 @@ import torch
 
 from fcp.context import PackedContext
 from fcp.ops.conv import short_conv, short_conv_reference
-from fcp.ops.fla import (
-    RESET_LOG_DECAY,
-    build_fla_cp_context,
-    fla_cp_fields,
-    fla_kda,
-    fla_kda_static,
-    fla_kda_varlen,
-    fla_short_conv,
-    fla_short_conv_varlen,
-    ops,
-    use_fla,
-)
+from fcp.ops.conv.fla import fla_conv_varlen_bwd, fla_conv_varlen_fwd, short_conv_fla_varlen
+from fcp.ops.fla_support import build_fla_cp_context, fla_cp_fields
 from fcp.ops.kda import kda, kda_reference
+from fcp.ops.kda.fla import (
+    RESET_LOG_DECAY,
+    fla_kda_bwd,
+    fla_kda_fwd,
+    fla_kda_varlen_bwd,
+    fla_kda_varlen_fwd,
+    kda_fla_static,
+    kda_fla_varlen,
+    reset_gate,
+)
 from tests import _fla_rank_fns as ffns
+from tests.support.fla_cpu_kernels import RCP_LN2
 from tests._fla_rank_fns import NAMES, doc_ids_from_lengths, make_inputs, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,11 +77,36 @@ def rank_context(doc_ids: torch.Tensor, world: int, rank: int) -> PackedContext:
 # ---------------------------------------------------------------------------------------------
 # import hygiene
 # ---------------------------------------------------------------------------------------------
-def test_import_fcp_does_not_import_fla():
-    code = "import sys, fcp, fcp.ops.fla, fcp.ops.fla.ops; print('fla' in sys.modules)"
+def test_import_fcp_does_not_import_fla_and_ops_are_cuda_only():
+    """Importing fcp's FLA backends does not import FLA (seconds), and fcp registers only CUDA
+    kernels for its ops (the CPU kernels used in this file are test doubles)."""
+    code = (
+        "import sys, fcp, fcp.ops.kda.fla as k, fcp.ops.conv.fla as c, fcp.ops.fla_support\n"
+        "import fcp.models.glm5_next.cp, fcp.models.qwen3_8_flash_next.cp\n"
+        "ops = [k.fla_kda_fwd, k.fla_kda_bwd, k.fla_kda_varlen_fwd, k.fla_kda_varlen_bwd,\n"
+        "       c.fla_conv_varlen_fwd, c.fla_conv_varlen_bwd]\n"
+        "print('fla' in sys.modules, sorted({d for op in ops for d in op._backend_fns}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True)  # fmt: skip
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False ['cuda']"
+
+
+def test_fcp_works_without_fla_and_triton_installed():
+    """FLA and triton are an extra: with both unimportable, fcp imports and its default
+    backends run."""
+    code = (
+        "import sys; sys.modules['fla'] = None; sys.modules['triton'] = None\n"
+        "import torch, fcp, fcp.models.glm5_next.cp, fcp.models.qwen3_8_flash_next.cp\n"
+        "ctx = fcp.PackedContext(torch.tensor([[1, 1, 2, 0]]))\n"
+        "x = torch.randn(1, 4, 1, 4)\n"
+        "o = fcp.kda(x, x, x, -torch.rand(1, 4, 1, 4), torch.rand(1, 4, 1), ctx)\n"
+        "y = fcp.short_conv(x[:, :, 0], torch.randn(4, 3), None, ctx)\n"
+        "print(tuple(o.shape), tuple(y.shape))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert out.stdout.strip() == "(1, 4, 1, 4) (1, 4, 4)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +140,7 @@ def test_context_is_cached_per_row_and_kernel_size():
     b = build_fla_cp_context(ctx, 1, None, 4)
     assert b is not a and b.cu_seqlens_cpu.tolist() == [0, 6]
     assert a.cu_seqlens_cpu.tolist() == [0, 2, 6]  # doc 2 ends at 8, then the pad tail
-    assert ctx.replace()._row_cache == {}  # a new context starts a new memo
+    assert build_fla_cp_context(ctx.replace(), 0, None, 4) is not a  # a new context, a new memo
     with pytest.raises(ValueError):
         build_fla_cp_context(ctx, 2, None, 4)
 
@@ -144,25 +172,25 @@ def test_opcheck_kda(with_h0, dtype):
     xs = kda_args(dtype=dtype)
     b, hv, dk, dv = 2, 2, 4, 3
     h0 = torch.randn(b, hv, dk, dv, requires_grad=True) if with_h0 else None
-    torch.library.opcheck(ops.fla_kda_fwd, (*xs, h0, 0.5, 32))
+    torch.library.opcheck(fla_kda_fwd, (*xs, h0, 0.5, 32))
     with torch.no_grad():
-        o, ht, gc, aqk, akk = ops.fla_kda_fwd(*xs, h0, 0.5, 32)
+        o, ht, gc, aqk, akk = fla_kda_fwd(*xs, h0, 0.5, 32)
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     h0 = None if h0 is None else h0.detach()  # the backward ops have no double backward
     plain = [x.detach() for x in xs]
-    torch.library.opcheck(ops.fla_kda_bwd, (*plain, h0, gc, aqk, akk, do, dht, 0.5, 32))
-    torch.library.opcheck(ops.fla_kda_bwd, (*plain, h0, gc, aqk, akk, do, None, 0.5, 32))
+    torch.library.opcheck(fla_kda_bwd, (*plain, h0, gc, aqk, akk, do, dht, 0.5, 32))
+    torch.library.opcheck(fla_kda_bwd, (*plain, h0, gc, aqk, akk, do, None, 0.5, 32))
 
 
 def test_opcheck_kda_varlen():
     xs = kda_args(b=1, t=11)
     cu = torch.tensor([0, 3, 4, 11], dtype=torch.int32)
     meta = (cu, cu, 0.5, 64, "", 0, 0, True, True)
-    torch.library.opcheck(ops.fla_kda_varlen_fwd, (*xs, *meta))
+    torch.library.opcheck(fla_kda_varlen_fwd, (*xs, *meta))
     with torch.no_grad():
-        o, gc, aqk, akk, h0 = ops.fla_kda_varlen_fwd(*xs, *meta)
+        o, gc, aqk, akk, h0 = fla_kda_varlen_fwd(*xs, *meta)
     torch.library.opcheck(
-        ops.fla_kda_varlen_bwd, (*[x.detach() for x in xs], gc, aqk, akk, h0, torch.randn_like(o), *meta)
+        fla_kda_varlen_bwd, (*[x.detach() for x in xs], gc, aqk, akk, h0, torch.randn_like(o), *meta)
     )
 
 
@@ -174,18 +202,23 @@ def test_opcheck_conv_varlen(bias, activation):
     b = torch.randn(5, requires_grad=True) if bias else None
     cu = torch.tensor([0, 1, 6, 10], dtype=torch.int32)
     meta = (cu, cu, activation, "", 0, True)
-    torch.library.opcheck(ops.fla_conv_varlen_fwd, (x, w, b, *meta))
+    torch.library.opcheck(fla_conv_varlen_fwd, (x, w, b, *meta))
     with torch.no_grad():
-        y, state = ops.fla_conv_varlen_fwd(x, w, b, *meta)
+        y, state = fla_conv_varlen_fwd(x, w, b, *meta)
     dargs = (x.detach(), w.detach(), None if b is None else b.detach(), state, torch.randn_like(y))
-    torch.library.opcheck(ops.fla_conv_varlen_bwd, (*dargs, *meta))
+    torch.library.opcheck(fla_conv_varlen_bwd, (*dargs, *meta))
 
 
-def test_op_cp_needs_cuda():
-    xs = kda_args(b=1, t=6)
-    cu = torch.tensor([0, 6], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="needs CUDA"):
-        ops.fla_kda_varlen_fwd(*xs, cu, cu, 0.5, 64, "some-group", 0, 0, True, True)
+def test_dispatcher_refuses_fla_backends_off_cuda():
+    ctx = PackedContext(doc_ids_from_lengths([([8], 0)]))
+    xs = [make_inputs(1, 8, 1, 1, 4, 3, seed=0)[n].float() for n in NAMES]
+    for backend in ("fla", "fla_varlen"):
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            kda(*xs, ctx, backend=backend)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        short_conv(torch.randn(1, 8, 3), torch.randn(3, 4), None, ctx, backend="fla_varlen")
+    with pytest.raises(ValueError, match="backend must be"):
+        kda(*xs, ctx, backend="fast")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,22 +251,20 @@ def test_modes_match_reference(rows, mode):
     ctx = PackedContext(doc)
     inputs = make_inputs(2, 32, 1, 2, 8, 4, seed=3)
     grad_out = torch.randn(2, 32, 2, 4, generator=torch.Generator().manual_seed(4))
-    fn = fla_kda_static if mode == "static" else fla_kda_varlen
+    fn = kda_fla_static if mode == "static" else kda_fla_varlen
     assert_close_to(lambda *xs: fn(*xs, ctx), lambda *xs: kda_reference(*xs, ctx), inputs, grad_out)
 
 
 def test_static_reset_gate_values():
     doc = torch.tensor([[1, 1, 2, 2, 2, 0]])
     g = -torch.rand(1, 6, 1, 2)
-    from fcp.ops.fla import reset_gate
-
     got = reset_gate(g, PackedContext(doc))
     interior = torch.tensor([False, False, True, False, False, True])  # position 0: initial state
     assert torch.equal(got[0, interior], torch.full((2, 1, 2), RESET_LOG_DECAY))
     assert torch.equal(got[0, ~interior], g[0, ~interior])
     # the reset underflows to an exact zero decay in FLA's log2 domain, with margin
-    assert torch.exp2(torch.tensor(RESET_LOG_DECAY) * ops.RCP_LN2) == 0.0
-    assert RESET_LOG_DECAY * ops.RCP_LN2 < -150
+    assert torch.exp2(torch.tensor(RESET_LOG_DECAY) * RCP_LN2) == 0.0
+    assert RESET_LOG_DECAY * RCP_LN2 < -150
 
 
 def test_conv_varlen_matches_reference():
@@ -243,7 +274,7 @@ def test_conv_varlen_matches_reference():
     x, w, b = torch.randn(2, 16, 6, generator=gen), torch.randn(6, 3, generator=gen), torch.randn(6, generator=gen)
     dy = torch.randn(2, 16, 6, generator=gen)
     grads = {}
-    for name, fn in (("fla", fla_short_conv_varlen), ("ref", None)):
+    for name, fn in (("fla", short_conv_fla_varlen), ("ref", None)):
         xs = [t.clone().requires_grad_() for t in (x, w, b)]
         y = fn(*xs, ctx, "silu") if fn else short_conv_reference(*xs, doc, "silu")
         grads[name] = [y.detach(), *torch.autograd.grad(y, xs, dy)]
@@ -252,7 +283,7 @@ def test_conv_varlen_matches_reference():
 
 
 # ---------------------------------------------------------------------------------------------
-# static mode under CP (rank pool, the op's PyTorch fallback)
+# static mode under CP (rank pool, the ops' CPU test doubles)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "world, rows",
@@ -290,7 +321,7 @@ def test_static_cp_compiles_fullgraph(rank_pool):
 # compile: a small KDA + short-conv block calling the custom ops
 # ---------------------------------------------------------------------------------------------
 class Block(torch.nn.Module):
-    """conv(x) -> q, k, v; linear -> g, beta; static-mode KDA. All on the fcp:: ops / fallbacks."""
+    """conv(x) -> q, k, v; linear -> g, beta; static-mode KDA on the fcp:: ops (CPU doubles)."""
 
     def __init__(self, d=8, h=1, hv=2, dk=4, dv=4, width=3):
         super().__init__()
@@ -302,7 +333,7 @@ class Block(torch.nn.Module):
 
     def forward(self, x, context):
         b, t, _ = x.shape
-        qkv = fla_short_conv(self.proj(x), self.conv_w, None, context, "silu")
+        qkv = short_conv(self.proj(x), self.conv_w, None, context, "silu")
         q, k, v = qkv.split([self.h * self.dk, self.h * self.dk, self.hv * self.dv], -1)
         q = q.reshape(b, t, self.h, self.dk)
         k = torch.nn.functional.normalize(k.reshape(b, t, self.h, self.dk), dim=-1)
@@ -310,7 +341,7 @@ class Block(torch.nn.Module):
         gb = self.gate(x)
         g = -torch.nn.functional.softplus(gb[..., : self.hv * self.dk]).reshape(b, t, self.hv, self.dk)
         beta = torch.sigmoid(gb[..., self.hv * self.dk :])
-        o = fla_kda_static(q, k, v, g, beta, context, chunk_size=32)
+        o = kda_fla_static(q, k, v, g, beta, context, chunk_size=32)
         return self.out(o.reshape(b, t, -1))
 
 
@@ -363,7 +394,7 @@ def test_varlen_op_compiles_fullgraph():
     ctx = build_fla_cp_context(PackedContext(doc), 0, None, None)
 
     def f(q, k, v, g, beta, cu, cu_cpu):
-        return ops.fla_kda_varlen_fwd(q, k, v, g, beta, cu, cu_cpu, 0.5, 64, "", 0, 0, True, True)[0]
+        return fla_kda_varlen_fwd(q, k, v, g, beta, cu, cu_cpu, 0.5, 64, "", 0, 0, True, True)[0]
 
     torch._dynamo.reset()
     xs = [inputs[n] for n in NAMES]
@@ -372,32 +403,11 @@ def test_varlen_op_compiles_fullgraph():
 
 
 # ---------------------------------------------------------------------------------------------
-# dispatch
+# argument errors
 # ---------------------------------------------------------------------------------------------
-def test_dispatch_on_cpu_is_pure_pytorch():
-    doc = doc_ids_from_lengths([([3, 9], 4)])
-    ctx = PackedContext(doc)
-    inputs = make_inputs(1, 16, 1, 2, 4, 3, seed=6)
-    xs = [inputs[n] for n in NAMES]
-    assert not use_fla(xs[0])
-    for mode in ("static", "varlen"):
-        assert torch.equal(fla_kda(*xs, ctx, mode=mode), kda(*xs, ctx))
-    x, w = torch.randn(1, 16, 5), torch.randn(5, 4)
-    for mode in ("static", "varlen"):
-        assert torch.equal(fla_short_conv(x, w, None, ctx, "silu", mode=mode), short_conv(x, w, None, ctx, "silu"))
-    with pytest.raises(ValueError, match="mode"):
-        fla_kda(*xs, ctx, mode="fast")
-
-
-def test_static_rejects_bad_arguments():
-    ctx = PackedContext(doc_ids_from_lengths([([8], 0)]))
-    xs = [make_inputs(1, 8, 1, 1, 4, 3, seed=0)[n] for n in NAMES]
-    with pytest.raises(ValueError, match="chunk_size"):
-        fla_kda_static(*xs, ctx, chunk_size=16)
-    with pytest.raises(ValueError, match="local_seq_len"):
-        fla_kda_static(*xs, PackedContext(doc_ids_from_lengths([([9], 0)])))
+def test_fla_conv_needs_a_full_halo_under_cp():
     with pytest.raises(ValueError, match="single-hop"):
-        fla_short_conv_varlen(torch.randn(1, 2, 3), torch.randn(3, 4), None,
+        short_conv_fla_varlen(torch.randn(1, 2, 3), torch.randn(3, 4), None,
                               PackedContext(torch.ones(1, 4, dtype=torch.long), group=_FakeGroup(),
                                             cp_size=2, cp_rank=1))  # fmt: skip
 

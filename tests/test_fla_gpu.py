@@ -6,12 +6,8 @@ operators run in fp32 on the same device (``fcp.ops.kda.kda`` / ``short_conv``):
 * static mode (FLA dense kernel + gate resets) and FLA-varlen mode (FLA's ``cu_seqlens`` path),
   output and the gradients of q, k, v, g, beta, in bf16 and fp32, on rows packed with many short
   documents (several per 64-token chunk), long ones and a pad tail;
-* static mode's CP composition on one device: the ranks run one after another and a stand-in
-  for :func:`fcp.comm.state_chain` chains the recorded ``(M_r, S_r)`` in rank order (exactly what
-  the collective computes), fwd + bwd through FLA's kernels with the ``[v | 0]`` / ``[0 | I]``
-  augmentation;
-* the op's initial/final-state path (``fcp::fla_kda_fwd`` with ``h0``) against its PyTorch
-  recurrence;
+* the op's initial/final-state path with CP's ``[v | 0]`` / ``[0 | I]`` augmentation (``fcp::fla_kda_fwd`` with ``h0``) against the reference
+  recurrence (the CP composition itself runs on CPU gloo ranks with the ops' CPU test doubles);
 * FLA-varlen conv (``fcp::fla_conv_varlen_*``) against ``short_conv``;
 * a CP-free ``torch.compile(mode="reduce-overhead")`` training step of a small conv + KDA block:
   CUDA graphs are captured (no cudagraph skips), replayed for three different packings without a
@@ -19,7 +15,7 @@ operators run in fp32 on the same device (``fcp.ops.kda.kda`` / ``short_conv``):
 
 All FLA calls share one head layout (``H = HV = 16``, ``K = V = 128``, as the benchmark) so a cold
 machine compiles few kernel variants; ``FCP_FLA_AUTOTUNE_MAX`` (set by ``scripts/gpu_check.sh``)
-bounds Triton autotuning (:mod:`fcp.ops.fla.tuning`). GVA (``HV > H``) is covered on CPU.
+bounds Triton autotuning (:mod:`tests.support.triton_tuning`). GVA (``HV > H``) is covered on CPU.
 
 Error metric: ``max |x - ref| / max |ref|`` per tensor. Tolerances: fp32 5e-3 for outputs and
 1e-2 for gradients (FLA runs its fp32 matmuls in TF32 and keeps chunk states in the input dtype);
@@ -33,9 +29,11 @@ import torch
 
 from fcp.context import PackedContext
 from fcp.ops.conv import short_conv
-from fcp.ops.fla import fla_kda_static, fla_kda_varlen, fla_short_conv_varlen, modes, ops
-from fcp.ops.fla.tuning import limit_from_env
+from fcp.ops.conv.fla import short_conv_fla_varlen
 from fcp.ops.kda import kda
+from fcp.ops.kda.fla import fla_kda_fwd, kda_fla_static, kda_fla_varlen
+from fcp.ops.kda.reference import kda_recurrence
+from tests.support.triton_tuning import limit_from_env
 from tests._fla_rank_fns import NAMES, doc_ids_from_lengths, make_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -91,40 +89,9 @@ def test_modes_match_pytorch(mode, dtype):
     ctx = PackedContext(doc)
     inputs = cuda_inputs(2, doc.shape[1], seed=1)
     grad_out = torch.randn(2, doc.shape[1], HV, DV, device="cuda")
-    fn = fla_kda_static if mode == "static" else fla_kda_varlen
+    fn = kda_fla_static if mode == "static" else kda_fla_varlen
     errs = errors(lambda *xs: fn(*xs, ctx), inputs, dtype, grad_out, ctx)
     print(f"\n[fla-gpu] {mode:7s} {str(dtype):15s} vs pure PyTorch: {errs}")
-    assert_within(errs, dtype)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_static_cp_composition_on_one_device(monkeypatch, world):
-    dtype = torch.bfloat16
-    doc = packed_rows(1024, seed=2).cuda()
-    t = doc.shape[1]
-    local = t // world
-    inputs = cuda_inputs(2, t, seed=3)
-    grad_out = torch.randn(2, t, HV, DV, device="cuda")
-    blocks = []
-
-    def chain_in_rank_order(transition, state, context):
-        acc = torch.zeros_like(state, dtype=torch.float32)
-        for m, s in blocks[: context.cp_rank]:
-            acc = m @ acc + s
-        blocks.append((transition.float(), state.float()))
-        return acc
-
-    monkeypatch.setattr(modes, "state_chain", chain_in_rank_order)
-
-    def sharded(*xs):
-        outs = []
-        for r in range(world):
-            ctx = PackedContext(doc, group="sequential", cp_size=world, cp_rank=r)
-            outs.append(fla_kda_static(*(x[:, r * local : (r + 1) * local] for x in xs), ctx))
-        return torch.cat(outs, 1)
-
-    errs = errors(sharded, inputs, dtype, grad_out, PackedContext(doc))
-    print(f"\n[fla-gpu] static CP x{world} (sequential chain) bf16 vs pure PyTorch: {errs}")
     assert_within(errs, dtype)
 
 
@@ -136,8 +103,8 @@ def test_op_initial_state_matches_recurrence():
     eye = torch.eye(DK, device="cuda").expand(b, HV, DK, DK)
     h0 = torch.cat([eye.new_zeros(b, HV, DK, DV), eye], -1).contiguous()
     args = [inputs["q"], inputs["k"], v_aug, inputs["g"], inputs["beta"]]
-    o, ht = ops.fla_kda_fwd(*(a.to(torch.bfloat16) for a in args), h0, DK**-0.5, 64)[:2]
-    o_ref, ht_ref = ops._kda_recurrent(*args, DK**-0.5, h0)
+    o, ht = fla_kda_fwd(*(a.to(torch.bfloat16) for a in args), h0, DK**-0.5, 64)[:2]
+    o_ref, ht_ref = kda_recurrence(*args, DK**-0.5, initial_state=h0)
     errs = (rel_err(o, o_ref), rel_err(ht, ht_ref))
     print(f"\n[fla-gpu] op with h0 (bf16) vs recurrence (o, final state): {errs}")
     assert max(errs) <= TOLS[torch.bfloat16][0]
@@ -153,7 +120,7 @@ def test_conv_varlen_matches_pytorch(dtype):
     bias = torch.randn(256, device="cuda", generator=gen)
     dy = torch.randn_like(x)
     res = {}
-    for name, fn, dt in (("fla", fla_short_conv_varlen, dtype), ("ref", short_conv, torch.float32)):
+    for name, fn, dt in (("fla", short_conv_fla_varlen, dtype), ("ref", short_conv, torch.float32)):
         xs = [a.to(dt).clone().requires_grad_() for a in (x, w, bias)]
         y = fn(*xs, ctx, "silu")
         res[name] = [y.detach(), *torch.autograd.grad(y, xs, dy.to(y.dtype))]
@@ -171,10 +138,8 @@ class Block(torch.nn.Module):
         self.out = torch.nn.Linear(HV * DV, d, bias=False)
 
     def forward(self, x, context):
-        from fcp.ops.fla import fla_kda, fla_short_conv
-
         b, t, _ = x.shape
-        qkv = fla_short_conv(self.proj(x), self.conv_w, None, context, "silu")
+        qkv = short_conv(self.proj(x), self.conv_w, None, context, "silu")
         q, k, v = qkv.split([H * DK, H * DK, HV * DV], -1)
         q = q.reshape(b, t, H, DK)
         k = torch.nn.functional.normalize(k.reshape(b, t, H, DK), dim=-1)
@@ -182,7 +147,7 @@ class Block(torch.nn.Module):
         gb = self.gate(x)
         g = -torch.nn.functional.softplus(gb[..., : HV * DK]).reshape(b, t, HV, DK)
         beta = torch.sigmoid(gb[..., HV * DK :])
-        return self.out(fla_kda(q, k, v, g, beta, context).reshape(b, t, -1))
+        return self.out(kda(q, k, v, g, beta, context, backend="fla").reshape(b, t, -1))
 
 
 def test_reduce_overhead_cuda_graph_replays_new_packings():

@@ -20,7 +20,6 @@ from fcp.layout import (
     lengths_from_doc_ids,
     packed_boundaries_from_seq_lens,
     position_ids_from_doc_ids,
-    same_document,
     segment_cu_seqlens,
     validate_doc_ids,
     validate_right_tail_mask,
@@ -243,20 +242,6 @@ def test_position_ids_random_vs_loop_reference():
     assert position_ids_from_doc_ids(ids).tolist() == expected
 
 
-def test_same_document():
-    q = T([[1, 1, 2, 0]])
-    k = T([[1, 2, 0]])
-    assert same_document(q, k).tolist() == [
-        [
-            [True, False, False],
-            [True, False, False],
-            [False, True, False],
-            [False, False, False],
-        ]
-    ]
-    assert same_document(q, k, pad_matches_pad=True)[0, 3].tolist() == [False, False, True]
-
-
 def test_lengths_from_doc_ids():
     out = lengths_from_doc_ids(T([[1, 1, 2, 0], [1, 1, 1, 1], [0, 0, 0, 0]]))
     assert out.dtype == torch.int64 and out.tolist() == [3, 4, 0]
@@ -278,7 +263,7 @@ def test_other_helpers_compile_fullgraph():
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
 
     def f(ids):
-        return document_starts(ids), same_document(ids, ids), lengths_from_doc_ids(ids)
+        return document_starts(ids), lengths_from_doc_ids(ids)
 
     compiled = torch.compile(f, fullgraph=True, dynamic=False, backend=counter)
     gen = torch.Generator().manual_seed(2)

@@ -96,7 +96,7 @@ def test_pad_doc_id_and_thin_reexports():
     assert glm.doc_ids_from_seq_lens is fcp.layout.doc_ids_from_seq_lens
     assert glm.segment_cu_seqlens is fcp.layout.segment_cu_seqlens
     assert glm.all_gather_backward_anchor is fcp.comm.all_gather_backward_anchor
-    assert glm._AllGatherBackwardAnchor is fcp.comm._BackwardAnchor
+    assert issubclass(glm._AllGatherBackwardAnchor, torch.autograd.Function)
 
 
 # ------------------------------------------------------------------ layout functions
@@ -354,7 +354,7 @@ def fake_world4():
 
 
 def test_build_fla_cp_context_matches_fla(fake_world4):
-    pytest.importorskip("fcp.ops.fla")
+    pytest.importorskip("fla")
     fla_cp = pytest.importorskip("fla.ops.cp")
     # Documents of 5, 6 and 3 tokens, then 2 pad tokens; 4 ranks of 4 tokens.
     doc_ids = torch.tensor([[1] * 5 + [2] * 6 + [3] * 3 + [0] * 2])

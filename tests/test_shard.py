@@ -17,9 +17,7 @@ def test_worked_example_single_process():
              "labels": torch.tensor([[6, 7, 8, 9, -100]]),
              "cu_seqlens": torch.tensor([0, 2, 5])}
     before = copy.deepcopy(batch)
-    factory, local, ctx = shard_batch(None, None, batch, pad_multiple=3)
-    with factory():
-        pass
+    local, ctx = shard_batch(None, batch, pad_multiple=3)
     assert torch.equal(local["input_ids"], torch.tensor([[5, 6, 7, 8, 9, 0]]))
     assert torch.equal(local["labels"], torch.tensor([[6, 7, 8, 9, -100, -100]]))
     assert torch.equal(local["position_ids"], torch.tensor([[0, 1, 0, 1, 2, 0]]))
@@ -44,7 +42,7 @@ def test_worked_example_two_ranks(rank_pool):
 def test_thd_rows_get_a_batch_axis_and_embeddings_pad_with_zeros():
     batch = {"inputs_embeds": torch.ones(5, 3), "labels": torch.arange(5),
              "attention_mask": torch.tensor([1, 1, 1, 0, 0])}
-    _, local, ctx = shard_batch(None, None, batch, pad_multiple=4)
+    local, ctx = shard_batch(None, batch, pad_multiple=4)
     assert local["inputs_embeds"].shape == (1, 8, 3)
     assert torch.equal(local["inputs_embeds"][0, 5:], torch.zeros(3, 3))
     assert torch.equal(local["labels"], torch.tensor([[0, 1, 2, 3, 4, -100, -100, -100]]))
@@ -54,14 +52,14 @@ def test_thd_rows_get_a_batch_axis_and_embeddings_pad_with_zeros():
 
 def test_loss_mask_argument_is_sharded_and_padded_with_zero():
     batch = {"input_ids": torch.ones(1, 3, dtype=torch.long)}
-    _, local, _ = shard_batch(None, None, batch, loss_mask=torch.tensor([[1, 0, 1]]),
+    local, _ = shard_batch(None, batch, loss_mask=torch.tensor([[1, 0, 1]]),
                               pad_multiple=2)
     assert local["loss_mask"].tolist() == [[1, 0, 1, 0]]
 
 
 def test_other_entries_pass_through_unchanged():
     pixel = torch.randn(2, 3)
-    _, local, _ = shard_batch(None, None, {"input_ids": torch.ones(1, 2, dtype=torch.long),
+    local, _ = shard_batch(None, {"input_ids": torch.ones(1, 2, dtype=torch.long),
                                            "pixel_values": pixel, "meta": "x"})
     assert local["pixel_values"] is pixel and local["meta"] == "x"
 
@@ -82,9 +80,8 @@ def test_other_entries_pass_through_unchanged():
           "attention_mask": torch.ones(1, 4, 4)}, {}, "packed or block"),
         ({"input_ids": torch.ones(1, 4, dtype=torch.long), "cu_seqlens": torch.tensor([0, 2]),
           "attention_mask": torch.ones(1, 4)}, {}, "disagrees"),
-        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 3)}, {},
-         "labels has shape"),
-        ({"input_ids": torch.ones(1, 4)}, {}, "integer"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long),
+          "labels": torch.ones(1, 3, dtype=torch.long)}, {}, "labels has shape"),
         ({"input_ids": torch.ones(1, 4, dtype=torch.long)}, {"pad_multiple": 0}, "pad_multiple"),
         ({"input_ids": torch.ones(1, 4, dtype=torch.long), "seq_lens": torch.tensor([[1], [2]])},
          {}, "seq_lens has 2 rows"),
@@ -92,16 +89,43 @@ def test_other_entries_pass_through_unchanged():
 )
 def test_rejects_what_it_cannot_honour(batch, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        shard_batch(None, None, batch, **kwargs)
+        shard_batch(None, batch, **kwargs)
 
 
-def test_rejects_tensor_parallel_mesh(rank_pool):
-    batch = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
-    results = rank_pool.run(fns.shard_error, 2, batch, {"tp": "group"})
-    # "group" is not a mesh: a clear TypeError on every rank
-    assert all(r[0] == "TypeError" for r in results)
-    results = rank_pool.run(fns.shard_error_tp, 2, batch)
-    assert all(r[0] == "ValueError" and "tp_mesh has size 2" in r[1] for r in results)
+IDS = torch.ones(1, 4, dtype=torch.long)
+
+
+@pytest.mark.parametrize(
+    "batch, kwargs, exc, match",
+    [
+        ({"input_ids": [[1, 2, 3]]}, {}, TypeError, "input_ids must be a torch.Tensor, got list"),
+        ({"input_ids": IDS, "attention_mask": [[1, 1, 1, 1]]}, {}, TypeError,
+         "attention_mask must be a torch.Tensor"),
+        ({"input_ids": IDS}, {"loss_mask": [[1, 1, 1, 1]]}, TypeError, "loss_mask must be"),
+        ({"input_ids": IDS}, {"padding_token_id": 1.5}, TypeError, "padding_token_id .* 1.5"),
+        ({"input_ids": IDS}, {"padding_token_id": None}, TypeError, "padding_token_id .* None"),
+        ({"input_ids": IDS}, {"pad_multiple": True}, TypeError, "pad_multiple .* True"),
+        ({"input_ids": IDS}, {"pad_multiple": 0}, ValueError, "pad_multiple=0"),
+        ({"input_ids": IDS}, {"shard_primary": 1}, TypeError, "shard_primary"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.bool)}, {}, TypeError, "input_ids .*torch.bool"),
+        ({"input_ids": torch.ones(1, 4)}, {}, TypeError, "input_ids must have an integer dtype"),
+        ({"input_ids": IDS, "labels": torch.ones(1, 4)}, {}, TypeError, "labels .*torch.float32"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long, device="meta")}, {}, ValueError,
+         "input_ids is a meta tensor"),
+        ({"input_ids": torch.ones(0, 4, dtype=torch.long)}, {}, ValueError, "batch size 0"),
+        ({"inputs_embeds": torch.ones(1, 4, 2, dtype=torch.long)}, {}, TypeError,
+         "inputs_embeds must be floating point"),
+    ],
+)
+def test_rejects_bad_types_naming_the_argument(batch, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        shard_batch(None, batch, **kwargs)
+
+
+def test_bad_batch_gives_the_same_error_on_every_rank(rank_pool):
+    batch = {"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 3)}
+    results = rank_pool.run(fns.shard_error, 2, batch, {})
+    assert results[0] == results[1] and results[0][0] == "TypeError" and "labels" in results[0][1]
 
 
 def test_gather_gradients_flow_to_owning_ranks(rank_pool):
@@ -127,7 +151,7 @@ def test_shard_primary_false_keeps_ids_full_and_slices_differentiably(rank_pool)
 
 
 def test_gather_sequence_without_cp_unpads():
-    _, local, ctx = shard_batch(None, None, {"input_ids": torch.arange(3).view(1, 3)},
+    local, ctx = shard_batch(None, {"input_ids": torch.arange(3).view(1, 3)},
                                 pad_multiple=4)
     assert gather_sequence(local["input_ids"], ctx).tolist() == [[0, 1, 2]]
     assert gather_sequence(local["input_ids"], ctx, unpad=False).shape == (1, 4)

@@ -1,4 +1,4 @@
-"""Tests of fcp.testing.RankPool on real gloo process groups.
+"""Tests of tests.support.rank_pool.RankPool on real gloo process groups.
 
 Job functions live at module level in this file: workers import this module by
 name (pytest puts ``tests/`` on ``sys.path`` and the pool forwards it).
@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fcp.testing import CollectiveMismatch, RankError, RankPool, RankTimeout, RemoteError
+from tests.support.rank_pool import CollectiveMismatch, RankError, RankPool, RankTimeout, RemoteError
 
 
 # ---------------------------------------------------------------------------
@@ -309,7 +309,7 @@ def test_workers_exit_when_parent_dies(tmp_path):
     script = textwrap.dedent(
         """
         import os, sys
-        from fcp.testing import RankPool
+        from tests.support.rank_pool import RankPool
         pool = RankPool(max_world_size=2, timeout=5)
         pool.start()
         print(" ".join(str(p.pid) for p in pool._procs), flush=True)

@@ -1,0 +1,14 @@
+"""fcp's operators, one folder each: ``reference.py`` (the definition and test oracle), the exact
+PyTorch path, the CUDA path, and the folder's ``__init__`` as the operator's only dispatcher
+(``backend=`` argument, ``"auto"`` by default; each backend states its guarantees).
+
+* :func:`short_conv` (:mod:`.conv`), :func:`kda` (:mod:`.kda`);
+* :func:`doc_causal_attention`, :func:`compressed_attention`, :func:`sparse_attention`
+  (:mod:`.attention`).
+
+:mod:`.common` holds the rules they share (backend names, scale, compute dtype, isolation of
+non-finite values); :mod:`.fla_support` what the FLA backends share.
+"""
+
+# The operators are imported from their folders (``fcp.ops.kda.kda``, ...) or from ``fcp``; this
+# package re-exports nothing, so ``fcp.ops.kda`` stays the module, not the function.

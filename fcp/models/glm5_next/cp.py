@@ -15,7 +15,7 @@ seed name                       delegates to
 ``_AllGatherBackwardAnchor``    ``fcp.comm._BackwardAnchor`` (alias)
 ``all_gather_sequence``         :func:`fcp.comm.all_gather_sequence`
 ``all_gather_backward_anchor``  :func:`fcp.comm.all_gather_backward_anchor`
-``build_fla_cp_context``        ``fcp.ops.fla.build_fla_cp_context`` (lazy: FLA)
+``build_fla_cp_context``        ``fcp.ops.fla_support.build_fla_cp_context`` (lazy: FLA)
 ``doc_ids_from_cu_seqlens``     :func:`fcp.layout.doc_ids_from_cu_seqlens`
 ``doc_ids_from_seq_lens``       :func:`fcp.layout.doc_ids_from_seq_lens`
 ``segment_cu_seqlens``          :func:`fcp.layout.segment_cu_seqlens`
@@ -40,17 +40,18 @@ Differences from the seed, all deliberate:
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
-from fcp.comm import _BackwardAnchor
-from fcp.comm import all_gather_backward_anchor
+from fcp.comm import all_gather_backward_anchor, dependent_zeros
 from fcp.comm import all_gather_sequence as _fcp_all_gather_sequence
 from fcp.context import PackedContext
-from fcp.groups import resolve_group
+from fcp.groups import mesh_size, resolve_group
+from fcp.pytree import register_frozen_pytree
 from fcp.layout import (
     PAD_DOC_ID,
     doc_ids_from_cu_seqlens,
@@ -201,39 +202,33 @@ class Glm5NextPackedContext:
         return self._cu_seqlens[row]
 
 
-def _glm_flatten(ctx: Glm5NextPackedContext):
-    return [ctx.doc_ids], (ctx.seq_start, ctx.cp_size, ctx.original_seq_len)
-
-
-def _glm_unflatten(children, static) -> Glm5NextPackedContext:
-    ctx = object.__new__(Glm5NextPackedContext)
-    # Bypass __post_init__ (leaves may be fake/traced); the static fields were validated.
-    values = dict(zip(("seq_start", "cp_size", "original_seq_len"), static))
-    values.update(doc_ids=children[0], _cu_seqlens={}, _cores={})
-    for name, value in values.items():
-        object.__setattr__(ctx, name, value)
-    return ctx
-
-
-pytree.register_pytree_node(
+register_frozen_pytree(
     Glm5NextPackedContext,
-    _glm_flatten,
-    _glm_unflatten,
-    serialized_type_name="fcp.models.glm5_next.Glm5NextPackedContext",
-    flatten_with_keys_fn=lambda c: (
-        [(pytree.GetAttrKey("doc_ids"), c.doc_ids)],
-        _glm_flatten(c)[1],
-    ),
+    leaves=("doc_ids",),
+    name="fcp.models.glm5_next.Glm5NextPackedContext",
+    drop=("_cu_seqlens",),
 )
 
 
 # ---------------------------------------------------------------------------------------------
 # collectives
 # ---------------------------------------------------------------------------------------------
-#: Return zero while retaining a backward edge to a gathered tensor (fcp's ``_BackwardAnchor``:
-#: ``forward(ctx, gathered)`` -> 0-d zero, ``backward(ctx, grad_output)`` -> zeros like
-#: ``gathered``). Prefer :func:`all_gather_backward_anchor`.
-_AllGatherBackwardAnchor = _BackwardAnchor
+class _AllGatherBackwardAnchor(torch.autograd.Function):
+    """Return zero while retaining a backward edge to a gathered tensor.
+
+    ``forward(ctx, gathered)`` -> 0-d zero; ``backward(ctx, grad_output)`` -> zeros like
+    ``gathered`` that depend on the gradient (:func:`fcp.comm.dependent_zeros`). Prefer
+    :func:`all_gather_backward_anchor`.
+    """
+
+    @staticmethod
+    def forward(ctx, gathered: torch.Tensor) -> torch.Tensor:
+        ctx.shape, ctx.dtype = gathered.shape, gathered.dtype
+        return gathered.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+        return dependent_zeros(grad_output, ctx.shape, ctx.dtype)
 
 
 class _AllGatherSequence(torch.autograd.Function):
@@ -293,11 +288,11 @@ def build_fla_cp_context(
 
     Returns:
         FLA ``FLACPContext`` carrying segment and process-group metadata, from
-        ``fcp.ops.fla.build_fla_cp_context`` on ``packed_context.to_packed_context(
+        ``fcp.ops.fla_support.build_fla_cp_context`` on ``packed_context.to_packed_context(
         cp_group)`` (FLA is imported on first call). Memoised per row, kernel size and group:
         every layer of a step gets the same object.
     """
-    from fcp.ops.fla import build_fla_cp_context as _build  # lazy: FLA on first call
+    from fcp.ops.fla_support import build_fla_cp_context as _build  # lazy: FLA on first call
 
     if isinstance(packed_context, Glm5NextPackedContext):
         packed_context = packed_context.to_packed_context(cp_group)
@@ -374,9 +369,13 @@ def shard_batch_for_glm5_next_cp(
         ``"cp_context"``), and the global shard layout :class:`Glm5NextPackedContext`
         (``layout.to_packed_context(cp_mesh)`` is ``local_batch["cp_context"]``).
     """
-    factory, local, context = shard_batch(
+    if mesh_size(tp_mesh) > 1:
+        raise ValueError(
+            f"tp_mesh has size {mesh_size(tp_mesh)}; contiguous CP supports no tensor "
+            "parallelism (tp_mesh must be None or of size one)"
+        )
+    local, context = shard_batch(
         cp_mesh,
-        tp_mesh,
         batch,
         loss_mask=loss_mask,
         padding_token_id=padding_token_id,
@@ -384,4 +383,4 @@ def shard_batch_for_glm5_next_cp(
         shard_primary=shard_primary,
     )
     local[_CP_CONTEXT_KEY] = context
-    return factory, local, Glm5NextPackedContext.from_packed_context(context)
+    return contextlib.nullcontext, local, Glm5NextPackedContext.from_packed_context(context)

@@ -37,6 +37,8 @@ doc id 0. Without it each row is one document over its valid tokens.
 
 from __future__ import annotations
 
+import contextlib
+
 import operator
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -50,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fcp.comm import all_gather_sequence, left_halo
 from fcp.context import PackedContext
-from fcp.groups import resolve_group
+from fcp.groups import mesh_size, resolve_group
 from fcp.layout import (
     PAD_DOC_ID,
     lengths_from_doc_ids,
@@ -408,9 +410,13 @@ def shard_batch_for_qwen3_8_flash_next_cp(
     """
     if isinstance(batch, Mapping) and batch.get("input_ids") is None:
         raise ValueError("Qwen3.8-Flash-Next CP shards text batches: batch needs input_ids")
-    factory, local, layout = shard_batch(
+    if mesh_size(tp_mesh) > 1:
+        raise ValueError(
+            f"tp_mesh has size {mesh_size(tp_mesh)}; contiguous CP supports no tensor "
+            "parallelism (tp_mesh must be None or of size one)"
+        )
+    local, layout = shard_batch(
         cp_mesh,
-        tp_mesh,
         batch,
         loss_mask=loss_mask,
         padding_token_id=padding_token_id,
@@ -432,4 +438,4 @@ def shard_batch_for_qwen3_8_flash_next_cp(
         local_sequence_length=layout.local_seq_len,
         global_cu_seqlens=layout.row_cu_seqlens(0)[0] if packed else None,
     )
-    return factory, local, layout
+    return contextlib.nullcontext, local, layout

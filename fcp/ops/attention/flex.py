@@ -14,20 +14,25 @@ with ``t`` the *local* query index and per-key int64 bounds:
 Pad queries have empty rows; FlexAttention returns zeros for them (as the dense backend does) and
 no gradient. Softmax statistics are fp32 inside the kernel for bf16 inputs.
 
-Selection: ``MODE = "auto"`` (CUDA tensors use Flex), ``"off"`` (always dense) or ``"force"``
-(Flex on any device; FlexAttention has no CPU backward, so on CPU only gradient-free calls work:
-the tests use this to check the masks against the dense backend).
+Chosen by ``backend="flex"`` (the default for CUDA tensors). FlexAttention has no CPU
+backward, so on CPU only gradient-free calls work: the tests use that to check the masks against
+the dense backend.
+
+Guarantees: the dense backend's masks exactly; the kernel's own rounding (online softmax, fp32
+statistics); masked keys contribute exact zeros (with finite inputs, which the operators ensure),
+so documents are isolated; deterministic forward on CUDA; static shapes (the block mask is built
+from the replicated map in-graph), no host synchronisation.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-__all__ = ["MODE", "available", "use_flex", "flex_attend", "UNBOUNDED"]
+__all__ = ["available", "flex_attend", "UNBOUNDED"]
 
-MODE = "auto"
 UNBOUNDED = 2**62
-_compiled_flex = None
 
 
 def available() -> bool:
@@ -38,23 +43,21 @@ def available() -> bool:
     return True
 
 
-def use_flex(q: torch.Tensor) -> bool:
-    if MODE == "off" or not available():
-        return False
-    return MODE == "force" or q.is_cuda
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _kernel(q: torch.Tensor):
     """``flex_attention``; outside an outer ``torch.compile`` on CUDA, a compiled (fused) one
     (eager FlexAttention materialises the scores)."""
-    global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
     if torch.compiler.is_compiling() or not q.is_cuda:
         return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+    return _compiled_flex_attention()
 
 
 def flex_attend(

@@ -1,4 +1,4 @@
-"""Shared argument checks and CP plumbing of the attention operators."""
+"""What the attention operators share: argument checks, backend choice, CP plumbing."""
 
 from __future__ import annotations
 
@@ -6,8 +6,28 @@ import torch
 
 from fcp.comm import all_gather_backward_anchor
 from fcp.context import PackedContext
+from fcp.ops.attention import flex
+from fcp.ops.common import choose_backend
 
-__all__ = ["check_qkv", "default_scale", "positive_int", "with_anchors", "query_positions"]
+__all__ = [
+    "BACKENDS",
+    "attention_backend",
+    "check_qkv",
+    "positive_int",
+    "with_anchors",
+    "query_positions",
+]
+
+#: ``"dense"``: masked fp32 softmax, every device (O(local x keys) scores). ``"flex"``:
+#: FlexAttention with the same masks (the default on CUDA; no backward on CPU).
+BACKENDS = ("dense", "flex")
+
+
+def attention_backend(name: str, backend: str, q: torch.Tensor) -> str:
+    """Resolve ``backend`` for operator ``name``: ``"auto"`` is ``"flex"`` for CUDA tensors
+    (when FlexAttention is available) and ``"dense"`` elsewhere. A static fact: Dynamo folds it."""
+    auto = "flex" if q.is_cuda and flex.available() else "dense"
+    return choose_backend(name, backend, BACKENDS, auto)
 
 
 def check_qkv(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PackedContext):
@@ -36,10 +56,6 @@ def check_qkv(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx:
     hkv = k.shape[2]
     if hkv == 0 or h % hkv:
         raise ValueError(f"{name}: heads={h} must be a multiple of kv_heads={hkv} (GQA)")
-
-
-def default_scale(q: torch.Tensor, scale: float | None) -> float:
-    return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
 def positive_int(name: str, what: str, value) -> int:

@@ -28,17 +28,19 @@ import torch
 from fcp.comm import all_gather_sequence, left_halo
 from fcp.context import PackedContext
 from fcp.ops.attention import flex
-from fcp.ops.attention._common import (
+from fcp.ops.attention.checks import (
+    attention_backend,
     check_qkv,
-    default_scale,
     positive_int,
     query_positions,
     with_anchors,
 )
 from fcp.ops.attention.dense import KeyPart, attend
+from fcp.ops.attention.compressed.reference import compressed_attention_reference
 from fcp.ops.attention.masks import doc_ids_window, full_block_doc_ids, same_doc
+from fcp.ops.common import default_scale, finite_or_zero, zero_nonfinite_grad
 
-__all__ = ["compressed_attention", "compress_blocks"]
+__all__ = ["compressed_attention", "compressed_attention_reference", "compress_blocks"]
 
 
 def compress_blocks(x: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -57,6 +59,8 @@ def compressed_attention(
     ratio: int = 4,
     window: int | None = None,
     scale: float | None = None,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Attention over same-document compressed blocks plus an exact local window.
 
@@ -67,6 +71,8 @@ def compressed_attention(
         ratio: tokens per compressed block.
         window: exact-key window (``t - window < s <= t``), default ``ratio``; ``>= 1``.
         scale: softmax scale, default ``D ** -0.5``.
+        backend: ``"auto"`` (``"flex"`` on CUDA, ``"dense"`` elsewhere), ``"dense"`` or
+            ``"flex"``.
 
     Returns:
         ``[batch, local_seq, heads, Dv]`` in ``q``'s dtype; pad queries give zeros.
@@ -82,7 +88,9 @@ def compressed_attention(
     check_qkv(name, q, k, v, context)
     ratio = positive_int(name, "ratio", ratio)
     window = ratio if window is None else positive_int(name, "window", window)
-    scale = default_scale(q, scale)
+    backend = attention_backend(name, backend, q)
+    scale = default_scale(q.shape[-1], scale)
+    q, k, v = finite_or_zero(q), finite_or_zero(k), finite_or_zero(v)
     local = context.local_seq_len
     if context.cp_enabled and local % ratio:
         raise ValueError(
@@ -107,7 +115,7 @@ def compressed_attention(
     ext = torch.cat([halo, kv], 1) if window > 1 else kv
     doc_ext = doc_ids_window(context.doc_ids, start - (window - 1), local + window - 1)
 
-    if flex.use_flex(q):
+    if backend == "flex":
         j = torch.arange(ext.shape[1], device=q.device)
         keys = torch.cat([kvc, ext], 1)
         lo = torch.cat([(b + 1) * ratio - start, j - (window - 1)])
@@ -123,4 +131,4 @@ def compressed_attention(
             KeyPart(win[..., :dk], win[..., dk:], mask_w, per_query=True),
         ]
         out = attend(q, parts, scale)
-    return with_anchors(out, context, kvc, halo)
+    return zero_nonfinite_grad(with_anchors(out, context, kvc, halo))

@@ -3,8 +3,9 @@
 FLA's kernels do not run on CPU as shipped: the autotuner benchmarks configs through a GPU driver,
 and some kernels call ``.to(...)`` on ``range`` loop counters, which the interpreter hands out as
 Python ints. :func:`enable` patches both (autotuning picks the config with the largest blocks
-without benchmarking; loop counters get a no-op ``.to``) and makes the ``fcp::`` ops call FLA on
-non-CUDA tensors. Tiny shapes only: a 64-token KDA forward takes seconds.
+without benchmarking; loop counters get a no-op ``.to``) and registers the ``fcp::fla_*`` ops'
+own (FLA-calling) implementations as their CPU kernels. Tiny shapes only: a 64-token KDA forward
+takes seconds.
 
 Process-global and irreversible: call it first thing in a dedicated subprocess, before anything
 imports ``triton`` or ``fla`` (the interpreter flag is read when kernels are decorated).
@@ -49,14 +50,14 @@ def _gloo_all_gather_into_tensor(inp, out=None, group=None, async_op=False):
 
 
 def enable(allow_cpu_cp: bool = False) -> None:
-    """Patch Triton and FLA for the CPU interpreter and force the ``fcp::`` ops onto FLA.
+    """Patch Triton and FLA for the CPU interpreter and run the ``fcp::`` ops on FLA on CPU.
 
     ``allow_cpu_cp``: also lift FLA's "CP needs an NVIDIA GPU" device check, so FLA's own
     context-parallel path runs on CPU tensors over a gloo group (precision differs from the GPU's
     TF32x3 chains only by running in IEEE fp32).
     """
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("fcp.ops.fla.interpret.enable() must run before triton is imported")
+        raise RuntimeError("tests.support.fla_interpret.enable() must run before triton is imported")
     os.environ["TRITON_INTERPRET"] = "1"
     import triton.runtime.autotuner as autotuner
 
@@ -82,6 +83,12 @@ def enable(allow_cpu_cp: bool = False) -> None:
             if allow_cpu_cp and "all_gather_into_tensor" in module.__dict__:
                 module.__dict__["all_gather_into_tensor"] = _gloo_all_gather_into_tensor
 
-    from fcp.ops.fla import ops
+    import torch
 
-    ops._FORCE_FLA = True
+    from fcp.ops.conv import fla as conv_fla
+    from fcp.ops.kda import fla as kda_fla
+
+    for op in (kda_fla.fla_kda_fwd, kda_fla.fla_kda_bwd, kda_fla.fla_kda_varlen_fwd,
+               kda_fla.fla_kda_varlen_bwd, conv_fla.fla_conv_varlen_fwd,
+               conv_fla.fla_conv_varlen_bwd):  # fmt: skip
+        torch.library.register_kernel(f"{op._namespace}::{op._name}", "cpu", op._init_fn)

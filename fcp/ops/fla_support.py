@@ -1,4 +1,9 @@
-"""Host-side planning for FLA's variable-length CP path: an ``FLACPContext`` per batch row.
+"""What fcp's FLA backends share: host-side planning of FLA's CP metadata, and op plumbing.
+
+Used by :mod:`fcp.ops.kda.fla` and :mod:`fcp.ops.conv.fla` (and the GLM-5.3-Flash seed adapter's
+``build_fla_cp_context``). Importing this module does not import FLA (which costs seconds).
+
+Planning: an ``FLACPContext`` per batch row.
 
 FLA's context-parallel kernels (``chunk_kda(..., cp_context=...)``, ``causal_conv1d(...,
 cp_context=...)``) take one flattened ``[1, local_tokens]`` sequence per call plus a
@@ -26,13 +31,25 @@ step reuses the same object. It is planning, not model code: call it eagerly, ou
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from fcp.context import PackedContext
 
-__all__ = ["build_fla_cp_context", "fla_cp_fields"]
+__all__ = [
+    "build_fla_cp_context",
+    "fla_cp_fields",
+    "make_fla_cp_context",
+    "process_group_from_name",
+    "group_name",
+    "device_guard",
+    "contiguous_or_none",
+    "empty",
+    "grad_like",
+    "state_dtype",
+]
 
 
 def fla_cp_fields(
@@ -109,20 +126,81 @@ def build_fla_cp_context(
     """
     from fla.ops.cp import FLACPContext  # lazy: importing fla costs seconds
 
-    key = ("fla", packed_context._check_row(row), conv_kernel_size, id(cp_group))
-    cache = packed_context._row_cache
-    hit = cache.get(key)
-    if hit is not None and hit[0] is cp_group:
-        return hit[1]
-    _, cpu = packed_context.row_cu_seqlens(row)
-    fields = fla_cp_fields(cpu, packed_context.cp_size, packed_context.cp_rank)
-    local_cpu = fields.pop("cu_seqlens_cpu")
-    ctx = FLACPContext(
-        group=cp_group,
-        cu_seqlens=local_cpu.to(device=packed_context.doc_ids.device, non_blocking=True),
-        cu_seqlens_cpu=local_cpu,
-        conv1d_kernel_size=conv_kernel_size,
-        **fields,
+    def compute():
+        _, cpu = packed_context.row_cu_seqlens(row)
+        fields = fla_cp_fields(cpu, packed_context.cp_size, packed_context.cp_rank)
+        local_cpu = fields.pop("cu_seqlens_cpu")
+        ctx = FLACPContext(
+            group=cp_group,
+            cu_seqlens=local_cpu.to(device=packed_context.doc_ids.device, non_blocking=True),
+            cu_seqlens_cpu=local_cpu,
+            conv1d_kernel_size=conv_kernel_size,
+            **fields,
+        )
+        return cp_group, ctx  # keeps the group alive, so its id() cannot be reused
+
+    key = ("fla_cp_context", packed_context.check_row(row), conv_kernel_size, id(cp_group))
+    return packed_context.memo(key, compute)[1]
+
+
+def make_fla_cp_context(cu_seqlens, cu_seqlens_cpu, group_name: str, pre, post, first, last,
+                        conv=None, pre_conv=None):  # fmt: skip
+    """An ``FLACPContext`` from fields passed through a custom op's schema (scalars and the
+    process group's name); inside the op's kernel, eagerly."""
+    from fla.ops.cp import FLACPContext
+
+    return FLACPContext(
+        group=process_group_from_name(group_name),
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        pre_num_ranks=pre,
+        post_num_ranks=post,
+        is_first_rank=first,
+        is_last_rank=last,
+        conv1d_kernel_size=conv,
+        pre_num_conv_tokens=pre_conv,
     )
-    cache[key] = (cp_group, ctx)  # keeps the group alive, so its id() cannot be reused
-    return ctx
+
+
+# ---------------------------------------------------------------------------------------------
+# op plumbing
+# ---------------------------------------------------------------------------------------------
+def process_group_from_name(name: str):
+    """The ``ProcessGroup`` registered as ``name`` (``""``: ``None``). Custom-op schemas cannot
+    carry a group, so ops take its name."""
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def group_name(context: PackedContext) -> str:
+    """The name of ``context``'s CP group, ``""`` without CP."""
+    return context.group.group_name if context.cp_enabled else ""
+
+
+def device_guard(t: torch.Tensor):
+    """FLA launches on the current CUDA device: make it ``t``'s."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def contiguous_or_none(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.contiguous()
+
+
+def empty(device, dtype) -> torch.Tensor:
+    """A 0-element tensor: an op output that exists only in some configurations."""
+    return torch.empty(0, device=device, dtype=dtype)
+
+
+def grad_like(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``like``'s dtype, contiguous (zeros where FLA returned ``None``)."""
+    if grad is None:
+        return torch.zeros_like(like, memory_format=torch.contiguous_format)
+    return grad.to(like.dtype).contiguous()
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """FLA's states and cumulative gates are fp32."""
+    return torch.promote_types(torch.float32, dtype)

@@ -1,20 +1,12 @@
-"""Kimi Delta Attention (KDA) over packed documents, exact under contiguous CP.
+"""KDA's exact static-shape PyTorch path: chunked, documents reset exactly, exact under CP.
 
-Per value head, with a ``[K, V]`` state ``S`` that restarts at zero at every document start::
-
-    S   <- diag(exp(g_t)) S                              # per-key-dimension decay
-    S   <- S + beta_t k_t (v_t - S^T k_t)^T              # delta rule
-    o_t  = scale * S^T q_t
-
-(the recurrence of FLA's ``naive_recurrent_kda``, run separately on every document).
-
-:func:`kda` evaluates it chunk-wise (WY representation, cost linear in the sequence length) with
-static shapes: documents are never split into variable-length pieces. Instead every cross-document
+:func:`kda_chunked` evaluates :mod:`fcp.ops.kda.reference`'s recurrence chunk-wise (WY
+representation, cost linear in the sequence length) with static shapes: documents are never split into variable-length pieces. Instead every cross-document
 term is masked to an exact zero, so a document's outputs are bitwise independent of every other
 token of the row. Under CP each rank summarises its shard as the affine map
 ``S_out = M_r S_in + S_r`` and :func:`fcp.comm.state_chain` hands it the state entering its shard.
 
-How :func:`kda` stays exact and static:
+How :func:`kda_chunked` stays exact and static:
 
 * Runs (documents and the pad tail) are numbered by a cumulative sum of run starts over the
   replicated global map; every cross-run term is removed with ``torch.where`` (exact zeros), so no
@@ -28,8 +20,6 @@ How :func:`kda` stays exact and static:
 * Under CP the loop runs on ``[S | P]`` with ``P0 = I``, giving the shard's transition ``M_r`` and
   each token's response to ``S_in`` in the same pass; ``S_in`` from ``state_chain`` is then added
   to the outputs of the shard's first run.
-
-:func:`kda_reference` is the single-process per-token recurrence, for tests and as the spec.
 """
 
 from __future__ import annotations
@@ -39,8 +29,9 @@ import torch
 from fcp.comm import state_chain
 from fcp.context import PackedContext
 from fcp.layout import document_starts
+from fcp.ops.common import compute_dtype, default_scale
 
-__all__ = ["kda", "kda_reference"]
+__all__ = ["kda_chunked"]
 
 _NEG_INF = float("-inf")
 
@@ -64,85 +55,6 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
-
-
-def _check_inputs(q, k, v, g, beta, local_len: int | None, batch: int | None):
-    if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(
-            f"q and k must be [batch, seq, heads, K] with equal shapes, got {tuple(q.shape)} "
-            f"and {tuple(k.shape)}"
-        )
-    b, t, h, dk = q.shape
-    if v.dim() != 4 or v.shape[:2] != (b, t):
-        raise ValueError(f"v must be [batch={b}, seq={t}, value_heads, V], got {tuple(v.shape)}")
-    hv = v.shape[2]
-    if hv % h:
-        raise ValueError(f"value_heads={hv} must be a multiple of heads={h} (GVA)")
-    if g.shape != (b, t, hv, dk):
-        raise ValueError(f"g must be [{b}, {t}, {hv}, {dk}], got {tuple(g.shape)}")
-    if beta.shape != (b, t, hv):
-        raise ValueError(f"beta must be [{b}, {t}, {hv}], got {tuple(beta.shape)}")
-    if local_len is not None and t != local_len:
-        raise ValueError(f"seq={t} != context.local_seq_len={local_len}")
-    if batch is not None and b != batch:
-        raise ValueError(f"batch={b} != context batch {batch}")
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """fp32 whatever the input dtype (bf16/fp16 inputs), fp64 when an input is fp64."""
-    dt = torch.float32
-    for x in tensors:
-        dt = torch.promote_types(dt, x.dtype)
-    return dt
-
-
-def _resolve_scale(scale: float | None, dk: int) -> float:
-    return dk**-0.5 if scale is None else float(scale)
-
-
-# ---------------------------------------------------------------------------------------------
-# reference: per-token recurrence (the spec)
-# ---------------------------------------------------------------------------------------------
-def kda_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    context: PackedContext | torch.Tensor,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Single-process KDA by the per-token recurrence, state reset at every document start.
-
-    Same shapes and conventions as :func:`kda` (which see); ``context`` is a non-CP
-    :class:`~fcp.context.PackedContext` or directly the int64 doc-id map ``[batch, seq]``.
-    Computes in fp32 (fp64 for fp64 inputs); O(seq) Python steps, meant for tests only.
-    """
-    if isinstance(context, PackedContext):
-        if context.cp_enabled:
-            raise ValueError("kda_reference is single-process: pass a context with cp_size=1")
-        doc_ids = context.doc_ids
-    else:
-        doc_ids = context
-    _check_inputs(q, k, v, g, beta, doc_ids.shape[1], doc_ids.shape[0])
-    h, dk = q.shape[2], q.shape[3]
-    hv, out_dtype = v.shape[2], v.dtype
-    dt = _compute_dtype(q, k, v, g, beta)
-    scale = _resolve_scale(scale, dk)
-    q = q.to(dt).repeat_interleave(hv // h, dim=2) * scale
-    k = k.to(dt).repeat_interleave(hv // h, dim=2)
-    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
-    starts = document_starts(doc_ids)[:, :, None, None, None]  # [B, T, 1, 1, 1]
-    state = q.new_zeros(q.shape[0], hv, dk, v.shape[-1])
-    out = []
-    for t in range(q.shape[1]):
-        # where (not a multiply) so a reset is exact whatever the previous state holds
-        state = torch.where(starts[:, t], 0.0, state) * g[:, t, :, :, None].exp()
-        k_t = k[:, t]
-        resid = v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, state)
-        state = state + beta[:, t, :, None, None] * k_t[..., None] * resid[..., None, :]
-        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
-    return torch.stack(out, 1).to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +190,7 @@ def _chunk_forms(q, k, v, g, beta, seg, prev):
     return aqk, w, u0, qg, kd, dec
 
 
-def kda(
+def kda_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -288,62 +200,19 @@ def kda(
     scale: float | None = None,
     chunk_size: int = 64,
 ) -> torch.Tensor:
-    """Chunked Kimi Delta Attention on this rank's shard of a packed batch.
+    """The ``"chunked"`` backend of :func:`fcp.ops.kda.kda` (same arguments; inputs checked
+    there). ``chunk_size`` is a power of two; the shard is padded internally to a multiple of it.
 
-    Args:
-        q, k: ``[batch, local_seq, heads, K]`` (k is usually L2-normalised).
-        v: ``[batch, local_seq, value_heads, V]``; ``value_heads`` is a multiple of ``heads``
-            (GVA: value head ``j`` uses q/k head ``j // (value_heads // heads)``).
-        g: ``[batch, local_seq, value_heads, K]`` per-key-dimension log decay (natural log,
-            <= 0; no overflow whatever the decay: exponents are always <= 0; tested with -8, 0
-            and -40 per token).
-        beta: ``[batch, local_seq, value_heads]`` delta-rule step sizes.
-        context: this rank's :class:`~fcp.context.PackedContext`; ``local_seq`` must be
-            ``context.local_seq_len``. The state restarts at every run start of the global map
-            (documents and the pad tail).
-        scale: query scale, default ``K ** -0.5``.
-        chunk_size: tokens per chunk, a power of two (the sequence is padded internally to a
-            multiple of it).
-
-    Returns:
-        ``[batch, local_seq, value_heads, V]`` in ``v``'s dtype. State and accumulation are fp32
-        (fp64 for fp64 inputs).
-
-    Guarantees: a document's outputs are bitwise independent of every token outside it (finite
-    inputs); no host synchronisation and no data-dependent shapes, so it traces under
-    ``torch.compile(fullgraph=True)`` and a new packing never recompiles. Under CP, one
+    Guarantees: exact to fp32 rounding (fp64 for fp64 inputs); a document's outputs are bitwise
+    independent of every token outside it; deterministic; no host synchronisation and no
+    data-dependent shapes (CUDA-graph safe; a new packing never recompiles). Under CP, one
     :func:`~fcp.comm.state_chain` all-gather of ``[batch, value_heads, K, K + V]`` per call.
-
-    Example (K = V = 1, q = k = 1, g = 0, beta = 0.5, scale 1: ``S <- S + 0.5 (v - S)``, so each
-    output is the running average restarted at every document; documents of lengths 3 and 2,
-    then one pad token)::
-
-        >>> doc_ids = torch.tensor([[1, 1, 1, 2, 2, 0]])
-        >>> ones = torch.ones(1, 6, 1, 1)
-        >>> v = torch.tensor([2.0, 2, 2, 4, 4, 8]).view(1, 6, 1, 1)
-        >>> o = kda(ones, ones, v, torch.zeros(1, 6, 1, 1), torch.full((1, 6, 1), 0.5),
-        ...         PackedContext(doc_ids), scale=1.0)
-        >>> o.flatten().tolist()
-        [1.0, 1.5, 1.75, 2.0, 3.0, 4.0]
     """
-    if not isinstance(context, PackedContext):
-        raise TypeError(f"context must be a PackedContext, got {type(context).__name__}")
-    _check_inputs(q, k, v, g, beta, context.local_seq_len, context.batch_size)
-    if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two, got {chunk_size!r}")
-    if q.is_cuda:
-        # One API on every device: FLA's Triton kernels (static mode, custom ops) on CUDA.
-        # Imported here because importing FLA costs seconds and it is a GPU-only path.
-        from fcp.ops.fla.modes import fla_kda_eligible, fla_kda_static
-
-        if fla_kda_eligible(q, chunk_size):
-            return fla_kda_static(q, k, v, g, beta, context, scale=scale, chunk_size=chunk_size)
-
     q, k, v, g, beta = (_ContiguousGrad.apply(t) for t in (q, k, v, g, beta))
     bsz, length, h, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
-    dt = _compute_dtype(q, k, v, g, beta)
-    scale = _resolve_scale(scale, dk)
+    dt = compute_dtype(q, k, v, g, beta)
+    scale = default_scale(dk, scale)
     c = chunk_size
     n = -(-length // c)
     n_pad = n * c - length

@@ -43,17 +43,19 @@ import torch.nn.functional as F
 from fcp.comm import all_gather_sequence
 from fcp.context import PackedContext
 from fcp.ops.attention import flex
-from fcp.ops.attention._common import (
+from fcp.ops.attention.checks import (
+    attention_backend,
     check_qkv,
-    default_scale,
     positive_int,
     query_positions,
     with_anchors,
 )
 from fcp.ops.attention.dense import KeyPart, attend
+from fcp.ops.attention.sparse.reference import sparse_attention_reference
 from fcp.ops.attention.masks import OUTSIDE, doc_causal_mask, last_doc_of_blocks, same_doc
+from fcp.ops.common import default_scale, finite_or_zero, zero_nonfinite_grad
 
-__all__ = ["sparse_attention", "pooled_index_keys", "select_blocks", "sparse_mask"]
+__all__ = ["sparse_attention", "sparse_attention_reference", "pooled_index_keys", "select_blocks", "sparse_mask"]
 
 
 def pooled_index_keys(index_k: torch.Tensor, doc_ids: torch.Tensor, block: int) -> torch.Tensor:
@@ -99,6 +101,8 @@ def sparse_attention(
     block: int = 4,
     topk: int = 16,
     scale: float | None = None,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Attention over the ``topk`` indexer-selected earlier blocks plus the query's own block.
 
@@ -112,6 +116,8 @@ def sparse_attention(
         block: tokens per block.
         topk: blocks selected per query besides its own (static; fewer candidates are masked).
         scale: softmax scale, default ``D ** -0.5``.
+        backend: ``"auto"`` (``"flex"`` on CUDA, ``"dense"`` elsewhere), ``"dense"`` or
+            ``"flex"``.
 
     Returns:
         ``[batch, local_seq, heads, Dv]`` in ``q``'s dtype; pad queries give zeros. The index
@@ -125,7 +131,11 @@ def sparse_attention(
     block = positive_int(name, "block", block)
     topk = positive_int(name, "topk", topk)
     _check_index(name, q, index_q, index_k, index_weights)
-    scale = default_scale(q, scale)
+    backend = attention_backend(name, backend, q)
+    scale = default_scale(q.shape[-1], scale)
+    q, k, v, index_q, index_k, index_weights = (
+        finite_or_zero(t) for t in (q, k, v, index_q, index_k, index_weights)
+    )
     local = context.local_seq_len
     if context.cp_enabled and local % block:
         raise ValueError(
@@ -165,7 +175,7 @@ def sparse_attention(
     kv_all = all_gather_sequence(torch.cat([k, v], -1), context)  # [b, global, hkv, dk + dv]
     keys, dk = kv_all[:, :end], k.shape[-1]
     s = torch.arange(end, device=q.device)
-    if flex.use_flex(q):
+    if backend == "flex":
         hi = torch.full_like(s, flex.UNBOUNDED)
         out = flex.flex_attend(
             q, keys[..., :dk], keys[..., dk:], doc_q, doc_ids[:, :end], s - start, hi, scale,
@@ -174,7 +184,7 @@ def sparse_attention(
     else:
         mask = sparse_mask(doc_ids[:, :end], doc_q, selected, block, t)
         out = attend(q, [KeyPart(keys[..., :dk], keys[..., dk:], mask)], scale)
-    return with_anchors(out, context, kv_all)
+    return zero_nonfinite_grad(with_anchors(out, context, kv_all))
 
 
 def sparse_mask(doc_k, doc_q, selected, block, t):

@@ -1,0 +1,40 @@
+"""Per-query float64 helpers of the attention references (specifications and test oracles).
+
+Every reference computes one query at a time from its operator's definition, with Python loops
+over keys: slow and obviously correct, for tests only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["prepare", "softmax_row", "attend_keys", "empty_row"]
+
+
+def prepare(q, k, v, scale):
+    """float64 ``q``, kv heads repeated to query heads (GQA), and the resolved scale."""
+    q, k, v = q.double(), k.double(), v.double()
+    groups = q.shape[2] // k.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return q, k.repeat_interleave(groups, dim=-2), v.repeat_interleave(groups, dim=-2), scale
+
+
+def softmax_row(qt, keys, vals, scale, empty):
+    """Attention of one query ``[H, D]`` over lists of keys ``[H, D]`` / values ``[H, Dv]``;
+    ``empty`` (zeros ``[H, Dv]``) when there are no keys."""
+    if not keys:
+        return empty
+    kk, vv = torch.stack(keys), torch.stack(vals)  # [n, H, D]
+    s = torch.einsum("hd,nhd->hn", qt, kk) * scale
+    return torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vv)
+
+
+def attend_keys(qt, k, v, positions, scale):
+    """Attention of one query over the tokens at ``positions`` of one row's ``k``/``v``."""
+    keys, vals = [k[s] for s in positions], [v[s] for s in positions]
+    return softmax_row(qt, keys, vals, scale, empty_row(qt, v))
+
+
+def empty_row(qt, v):
+    """Zeros ``[H, Dv]`` still attached to ``qt`` and ``v`` (autograd always has a graph)."""
+    return v[0] * 0.0 + qt.sum() * 0.0

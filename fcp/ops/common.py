@@ -1,0 +1,78 @@
+"""Rules every fcp operator shares: backend names, default scale, compute dtype, finiteness.
+
+* :func:`choose_backend` - one way to pick a backend: an explicit ``backend=`` string per call,
+  ``"auto"`` resolved from static facts (device) only, so Dynamo folds the choice at trace time.
+* :func:`default_scale` - ``D ** -0.5`` unless given.
+* :func:`compute_dtype` - fp32 for fp32/bf16/fp16 inputs, fp64 when any input is fp64: state
+  chains and reductions accumulate in fp32 whatever the input dtype.
+* :func:`finite_or_zero` and :func:`zero_nonfinite_grad` - how operators keep a non-finite
+  value inside its own document (see below).
+
+Isolation of non-finite values. An operator that mixes tokens with matrix products (attention,
+KDA) masks other documents by *exact zero coefficients*; but ``0 * nan`` is ``nan``, so a NaN or
+inf in one document would reach every token of the row through the zeros. Such operators
+therefore replace non-finite inputs by zero (:func:`finite_or_zero`) before any cross-token
+arithmetic and non-finite output gradients by zero (:func:`zero_nonfinite_grad`) before any
+cross-token backward arithmetic. A finite input is unchanged bitwise, so every other document's
+outputs and gradients are bitwise those of a clean run. The poisoned token itself keeps its NaN
+wherever it flows without mixing (the residual stream of a model, so the loss still shows it);
+what this operator returns for the poisoned document is unspecified.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "choose_backend",
+    "default_scale",
+    "compute_dtype",
+    "finite_or_zero",
+    "zero_nonfinite_grad",
+]
+
+
+def choose_backend(op: str, backend: str, allowed: tuple[str, ...], auto: str) -> str:
+    """Validate ``backend`` for operator ``op`` and resolve ``"auto"`` to ``auto``.
+
+    >>> choose_backend("kda", "auto", ("chunked", "fla"), "chunked")
+    'chunked'
+    """
+    if backend == "auto":
+        return auto
+    if backend not in allowed:
+        raise ValueError(f"{op}: backend must be 'auto' or one of {allowed}, got {backend!r}")
+    return backend
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    """``head_dim ** -0.5`` when ``scale`` is ``None``, else ``float(scale)``."""
+    return head_dim**-0.5 if scale is None else float(scale)
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32 whatever the input dtype (bf16/fp16/fp32), fp64 when an input is fp64."""
+    dt = torch.float32
+    for x in tensors:
+        dt = torch.promote_types(dt, x.dtype)
+    return dt
+
+
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with NaN and +-inf replaced by 0 (finite values unchanged; gradient 0 there)."""
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+class _ZeroNonfiniteGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return finite_or_zero(grad)
+
+
+def zero_nonfinite_grad(x: torch.Tensor) -> torch.Tensor:
+    """Identity whose backward replaces non-finite gradient entries by 0."""
+    return _ZeroNonfiniteGrad.apply(x)

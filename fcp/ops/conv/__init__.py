@@ -1,0 +1,75 @@
+"""Document-masked short causal convolution (the q/k/v pre-mixer), exact under contiguous CP.
+
+* :mod:`.reference` - the definition: ``F.conv1d`` per document;
+* :mod:`.masked` - the exact static-shape PyTorch path (``backend="masked"``, the default);
+* :mod:`.fla` - FLA's ``causal_conv1d`` with ``cu_seqlens`` (``backend="fla_varlen"``, CUDA).
+
+:func:`short_conv` is the only dispatcher.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcp.context import PackedContext
+from fcp.ops.common import choose_backend
+from fcp.ops.conv.masked import check_conv_inputs, short_conv_masked
+from fcp.ops.conv.reference import short_conv_reference
+
+__all__ = ["BACKENDS", "short_conv", "short_conv_reference"]
+
+#: ``"masked"``: exact PyTorch, every device, static shapes. ``"fla_varlen"``: FLA's kernel with
+#: host-side ``cu_seqlens`` (CUDA; single-hop CP halo; no dilation).
+BACKENDS = ("masked", "fla_varlen")
+
+
+def short_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    context: PackedContext,
+    activation: str | None = None,
+    *,
+    dilation: int = 1,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Depthwise causal conv1d that never mixes two documents.
+
+    Args:
+        x: ``[batch, local_seq, channels]``, this rank's shard (any float dtype).
+        weight: ``[channels, width]``; ``weight[:, -1]`` multiplies the current token and
+            ``weight[:, i]`` the token ``(width - 1 - i) * dilation`` before it (the layout of
+            ``nn.Conv1d(groups=channels).weight[:, 0]`` and FLA's ``causal_conv1d``).
+        bias: ``[channels]`` or ``None``.
+        context: the rank's :class:`~fcp.context.PackedContext`.
+        activation: ``None`` or ``"silu"`` (``"swish"`` is accepted as an alias).
+        dilation: spacing of the taps (``nn.Conv1d``'s ``dilation``); the receptive field, and
+            under CP the halo, is ``(width - 1) * dilation`` tokens.
+        backend: ``"auto"`` (= ``"masked"``), ``"masked"`` or ``"fla_varlen"`` (CUDA,
+            ``dilation=1``); see :data:`BACKENDS`.
+
+    Returns:
+        ``[batch, local_seq, channels]`` in ``x``'s dtype, accumulated in fp32.
+
+    Parameter gradients (``weight``, ``bias``) are per-rank partial sums under CP: the
+    data-parallel gradient reduction over the CP ranks sums them.
+
+    Example (width 2, weight ``[[1, 1]]``, no bias): ``x = [1, 2, 3]`` with doc ids
+    ``[1, 1, 2]`` gives ``[1, 3, 3]``: the third token starts document 2 and sees only itself::
+
+        >>> ctx = PackedContext(torch.tensor([[1, 1, 2]]))
+        >>> short_conv(torch.tensor([[[1.0], [2.0], [3.0]]]), torch.ones(1, 2), None, ctx).flatten()
+        tensor([1., 3., 3.])
+    """
+    check_conv_inputs(x, weight, bias, context, activation, dilation)
+    backend = choose_backend("short_conv", backend, BACKENDS, "masked")
+    if backend == "masked":
+        return short_conv_masked(x, weight, bias, context, activation, dilation)
+    if not x.is_cuda or dilation != 1:
+        raise ValueError(
+            f"short_conv: backend='fla_varlen' needs CUDA tensors and dilation=1, got device "
+            f"{x.device}, dilation={dilation}"
+        )
+    from fcp.ops.conv.fla import short_conv_fla_varlen  # imported on use: a CUDA-only path
+
+    return short_conv_fla_varlen(x, weight, bias, context, activation)

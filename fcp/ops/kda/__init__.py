@@ -1,0 +1,107 @@
+"""Kimi Delta Attention (KDA) over packed documents, exact under contiguous CP.
+
+* :mod:`.reference` - the definition (per-token recurrence) and the argument rules;
+* :mod:`.chunked` - the exact static-shape PyTorch path (``backend="chunked"``, the default);
+* :mod:`.fla` - FLA's Triton kernels as custom ops (``backend="fla"`` / ``"fla_varlen"``, CUDA).
+
+:func:`kda` is the only dispatcher.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcp.context import PackedContext
+from fcp.ops.common import choose_backend, default_scale, finite_or_zero, zero_nonfinite_grad
+from fcp.ops.kda.chunked import kda_chunked
+from fcp.ops.kda.reference import check_kda_inputs, kda_reference
+
+__all__ = ["BACKENDS", "kda", "kda_reference"]
+
+#: ``"chunked"``: exact PyTorch, every device. ``"fla"``: FLA's dense kernel with gate resets
+#: (CUDA, compile and CUDA-graph safe, not bitwise document-independent). ``"fla_varlen"``:
+#: FLA's varlen / CP path (CUDA, host metadata per batch).
+BACKENDS = ("chunked", "fla", "fla_varlen")
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    context: PackedContext,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Kimi Delta Attention on this rank's shard of a packed batch.
+
+    Args:
+        q, k: ``[batch, local_seq, heads, K]`` (k is usually L2-normalised).
+        v: ``[batch, local_seq, value_heads, V]``; ``value_heads`` is a multiple of ``heads``
+            (GVA: value head ``j`` uses q/k head ``j // (value_heads // heads)``).
+        g: ``[batch, local_seq, value_heads, K]`` per-key-dimension log decay (natural log,
+            <= 0; no overflow whatever the decay: exponents are always <= 0; tested with -8, 0
+            and -40 per token).
+        beta: ``[batch, local_seq, value_heads]`` delta-rule step sizes.
+        context: this rank's :class:`~fcp.context.PackedContext`; ``local_seq`` must be
+            ``context.local_seq_len``. The state restarts at every run start of the global map
+            (documents and the pad tail).
+        scale: query scale, default ``K ** -0.5``.
+        chunk_size: tokens per chunk, a power of two (32 or 64 for the FLA backends).
+        backend: ``"auto"`` (= ``"chunked"`` on every device), ``"chunked"``, ``"fla"`` or
+            ``"fla_varlen"`` (CUDA tensors only); see :data:`BACKENDS` and each backend's
+            docstring for its guarantees.
+
+    Returns:
+        ``[batch, local_seq, value_heads, V]`` in ``v``'s dtype. State and accumulation are fp32
+        (fp64 for fp64 inputs on ``"chunked"``).
+
+    Every backend keeps non-finite values inside their document (:mod:`fcp.ops.common`): a NaN
+    or inf in one document's inputs or output gradient leaves every other document's outputs
+    and input gradients unchanged. The default backend is exact to fp32 rounding, bitwise
+    document-independent, deterministic, sync-free and recompile-free across packings. Under CP,
+    one :func:`~fcp.comm.state_chain` all-gather of ``[batch, value_heads, K, K + V]`` per call.
+
+    Example (K = V = 1, q = k = 1, g = 0, beta = 0.5, scale 1: ``S <- S + 0.5 (v - S)``, so each
+    output is the running average restarted at every document; documents of lengths 3 and 2,
+    then one pad token)::
+
+        >>> doc_ids = torch.tensor([[1, 1, 1, 2, 2, 0]])
+        >>> ones = torch.ones(1, 6, 1, 1)
+        >>> v = torch.tensor([2.0, 2, 2, 4, 4, 8]).view(1, 6, 1, 1)
+        >>> o = kda(ones, ones, v, torch.zeros(1, 6, 1, 1), torch.full((1, 6, 1), 0.5),
+        ...         PackedContext(doc_ids), scale=1.0)
+        >>> o.flatten().tolist()
+        [1.0, 1.5, 1.75, 2.0, 3.0, 4.0]
+    """
+    if not isinstance(context, PackedContext):
+        raise TypeError(f"context must be a PackedContext, got {type(context).__name__}")
+    check_kda_inputs(q, k, v, g, beta, context.local_seq_len, context.batch_size)
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, int)
+        or chunk_size < 1
+        or chunk_size & (chunk_size - 1)
+    ):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size!r}")
+    backend = choose_backend("kda", backend, BACKENDS, "chunked")
+    scale = default_scale(q.shape[-1], scale)
+    q, k, v, g, beta = (finite_or_zero(t) for t in (q, k, v, g, beta))
+    if backend == "chunked":
+        out = kda_chunked(q, k, v, g, beta, context, scale, chunk_size)
+    else:
+        from fcp.ops.kda import fla  # imported on use: a CUDA-only path
+
+        if not q.is_cuda:
+            raise ValueError(f"kda: backend={backend!r} needs CUDA tensors, got {q.device}")
+        if chunk_size not in fla.FLA_CHUNK_SIZES or q.shape[-1] > 256:
+            raise ValueError(
+                f"kda: backend={backend!r} needs chunk_size in {fla.FLA_CHUNK_SIZES} and "
+                f"K <= 256, got chunk_size={chunk_size}, K={q.shape[-1]}"
+            )
+        run = fla.kda_fla_static if backend == "fla" else fla.kda_fla_varlen
+        out = run(q, k, v, g, beta, context, scale, chunk_size)
+    return zero_nonfinite_grad(out)

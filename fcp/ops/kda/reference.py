@@ -1,0 +1,124 @@
+"""Kimi Delta Attention, the definition: the per-token recurrence, and the argument rules.
+
+Per value head, with a ``[K, V]`` state ``S`` that restarts at zero at every document start::
+
+    S   <- diag(exp(g_t)) S                              # per-key-dimension decay
+    S   <- S + beta_t k_t (v_t - S^T k_t)^T              # delta rule
+    o_t  = scale * S^T q_t
+
+(the recurrence of FLA's ``naive_recurrent_kda``, run separately on every document). Every
+backend of :func:`fcp.ops.kda.kda` computes this; the tests compare them with
+:func:`kda_reference`. O(sequence) Python steps: the specification and test oracle, never a
+model's path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcp.context import PackedContext
+from fcp.layout import document_starts
+from fcp.ops.common import compute_dtype, default_scale
+
+__all__ = ["kda_reference", "kda_recurrence", "check_kda_inputs"]
+
+
+def check_kda_inputs(q, k, v, g, beta, local_len: int | None, batch: int | None) -> None:
+    """Shapes of :func:`fcp.ops.kda.kda`'s tensors (``ValueError`` naming the tensor)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(
+            f"q and k must be [batch, seq, heads, K] with equal shapes, got {tuple(q.shape)} "
+            f"and {tuple(k.shape)}"
+        )
+    b, t, h, dk = q.shape
+    if v.dim() != 4 or v.shape[:2] != (b, t):
+        raise ValueError(f"v must be [batch={b}, seq={t}, value_heads, V], got {tuple(v.shape)}")
+    hv = v.shape[2]
+    if h == 0 or hv % h:
+        raise ValueError(f"value_heads={hv} must be a multiple of heads={h} (GVA)")
+    if g.shape != (b, t, hv, dk):
+        raise ValueError(f"g must be [{b}, {t}, {hv}, {dk}], got {tuple(g.shape)}")
+    if beta.shape != (b, t, hv):
+        raise ValueError(f"beta must be [{b}, {t}, {hv}], got {tuple(beta.shape)}")
+    if local_len is not None and t != local_len:
+        raise ValueError(f"seq={t} != context.local_seq_len={local_len}")
+    if batch is not None and b != batch:
+        raise ValueError(f"batch={b} != context batch {batch}")
+
+
+def kda_recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    starts: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token recurrence on ``[B, T, ...]`` tensors: ``(o, final_state)``.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``.
+        scale: query scale.
+        starts: optional bool ``[B, T]``: the state is zeroed before these tokens (exact resets).
+        initial_state: optional ``[B, HV, K, V]`` state before the first token.
+
+    Returns:
+        ``o`` ``[B, T, HV, V]`` and the final state ``[B, HV, K, V]``, both in the compute dtype
+        (fp32, fp64 for fp64 inputs). Differentiable by autograd.
+    """
+    hv = v.shape[2]
+    rep = hv // q.shape[2]
+    dt = compute_dtype(q, k, v, g, beta)
+    q = q.to(dt).repeat_interleave(rep, dim=2) * scale
+    k = k.to(dt).repeat_interleave(rep, dim=2)
+    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
+    if initial_state is None:
+        state = q.new_zeros(q.shape[0], hv, q.shape[3], v.shape[3])
+    else:
+        state = initial_state.to(dt)
+    out = []
+    for t in range(q.shape[1]):
+        if starts is not None:
+            # where (not a multiply) so a reset is exact whatever the previous state holds
+            state = torch.where(starts[:, t, None, None, None], 0.0, state)
+        state = state * g[:, t, :, :, None].exp()
+        k_t = k[:, t]
+        resid = v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, state)
+        state = state + beta[:, t, :, None, None] * k_t[..., None] * resid[..., None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    o = torch.stack(out, 1) if out else v.new_zeros(v.shape)
+    return o, state
+
+
+def kda_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    context: PackedContext | torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Single-process KDA by the per-token recurrence, state reset at every document start.
+
+    Same shapes and conventions as :func:`fcp.ops.kda.kda` (which see); ``context`` is a non-CP
+    :class:`~fcp.context.PackedContext` or directly the int64 doc-id map ``[batch, seq]``.
+    Computes in fp32 (fp64 for fp64 inputs); returns ``v``'s dtype.
+    """
+    if isinstance(context, PackedContext):
+        if context.cp_enabled:
+            raise ValueError("kda_reference is single-process: pass a context with cp_size=1")
+        doc_ids = context.doc_ids
+    else:
+        doc_ids = context
+    check_kda_inputs(q, k, v, g, beta, doc_ids.shape[1], doc_ids.shape[0])
+    scale = default_scale(q.shape[3], scale)
+    o, _ = kda_recurrence(q, k, v, g, beta, scale, starts=document_starts(doc_ids))
+    return o.to(v.dtype)
