@@ -218,3 +218,14 @@ def test_state_chain_compiled_with_inductor_keeps_ranks_in_step(rank_pool):
     torch.testing.assert_close(out1, ss[0])
     torch.testing.assert_close(s0, torch.ones_like(s0))  # rank 1's output is S_0
     assert not m0.any() and not m1.any() and not s1.any()
+
+
+def test_backward_anchor_gradient_is_finite_zero_even_for_a_nan_upstream_gradient():
+    """One NaN in one row's upstream gradient must not reach the gathered values of any row
+    through the anchor (it used to pass NaN through a sum to every row)."""
+    kv = torch.randn(2, 4, requires_grad=True)
+    y = torch.randn(2, 4, requires_grad=True)
+    up = torch.ones(2, 4)
+    up[0, 0] = float("nan")
+    (y + all_gather_backward_anchor(kv)).backward(up)
+    assert torch.equal(kv.grad, torch.zeros(2, 4))

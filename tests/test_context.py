@@ -110,3 +110,53 @@ def test_model_side_metadata_compiles_once_across_50_packings():
            if n.op in ("call_function", "call_method")]
     assert not [o for o in ops if o in ("aten._local_scalar_dense.default", "aten.nonzero.default")
                 or o in ("item", "tolist", "cpu", "nonzero")]
+
+
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        ([[1, 1, 2, 2, 1, 1]], r"doc_ids\[0, 4\] = 1 follows 2"),  # a reused id
+        ([[1, 1, 3, 3]], r"doc_ids\[0, 2\] = 3 follows 1"),  # a skipped id
+        ([[1, 1, -1, -1]], r"doc_ids\[0, 2\] = -1 is negative"),  # collides with OUTSIDE_DOC_ID
+        ([[1, 0, 2, 2]], r"doc_ids\[0, 2\] = 2 follows pad"),  # padding in the middle
+        ([[2, 2, 3, 3]], r"doc_ids\[0, 0\] = 2 starts the row"),
+    ],
+)
+def test_rejects_maps_that_validate_doc_ids_rejects(rows, match):
+    """Every operator then agrees on one reading of the map: there is only the valid form."""
+    with pytest.raises(ValueError, match=match):
+        PackedContext(torch.tensor(rows))
+    with pytest.raises(ValueError, match=match):
+        PackedContext(torch.tensor(rows * 2), group=object(), cp_size=2, cp_rank=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(cp_size=True), TypeError, "cp_size must be an int, got True"),
+        (dict(cp_rank=0.0), TypeError, "cp_rank must be an int"),
+        (dict(original_seq_len=2.5), TypeError, "original_seq_len must be an int, got 2.5"),
+        (dict(seq_start=True), TypeError, "seq_start must be an int, got True"),
+    ],
+)
+def test_static_fields_are_ints_not_bools_or_floats(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        PackedContext(DOCS, **kwargs)
+
+
+def test_meta_map_is_rejected_eagerly():
+    with pytest.raises(ValueError, match="meta"):
+        PackedContext(torch.ones(1, 4, dtype=torch.long, device="meta"))
+
+
+def test_rebuilding_from_traced_leaves_does_not_revalidate():
+    """Pytree unflattening under FakeTensorMode (what AOT tracing does) runs the static checks
+    only: reading fake values would fail, so this would raise if validation ran."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ctx = _ctx(1)
+    leaves, spec = pytree.tree_flatten(ctx)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(leaves[0])
+        again = pytree.tree_unflatten([fake], spec)
+    assert again.cp_rank == 1 and again.local_seq_len == 3
