@@ -5,8 +5,8 @@ Layers (a module may import only its own layer or lower ones):
     0  fcp.layout, fcp.groups, fcp.pytree
     1  fcp.context
     2  fcp.comm
-    3  fcp.shard
-    4  fcp.ops.common, fcp.ops.fla_support
+    3  fcp.shard, fcp.loss
+    4  fcp.ops.common, fcp.ops.fla_support, fcp.ops.doc_pools
     5  fcp.ops.<operator> (conv, kda, attention, ...): never another operator's folder
     6  fcp.models, fcp.integrations
     7  fcp (the package's public namespace)
@@ -33,8 +33,8 @@ MODULES = {module_name(p): p for p in FCP.rglob("*.py")}
 def layer(mod: str) -> tuple[int, str]:
     """``(layer, group)``: modules of one operator folder share a group."""
     fixed = {"fcp.layout": 0, "fcp.groups": 0, "fcp.pytree": 0, "fcp.context": 1, "fcp.comm": 2,
-             "fcp.shard": 3, "fcp.ops.common": 4, "fcp.ops.fla_support": 4, "fcp.ops": 4,
-             "fcp": 7}  # fmt: skip
+             "fcp.shard": 3, "fcp.loss": 3, "fcp.ops.common": 4, "fcp.ops.fla_support": 4, "fcp.ops": 4,
+             "fcp.ops.doc_pools": 4, "fcp": 7}  # fmt: skip
     if mod in fixed:
         return fixed[mod], mod
     parts = mod.split(".")
