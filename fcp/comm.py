@@ -25,6 +25,7 @@ import torch.distributed._functional_collectives as funcol
 
 from fcp.context import PackedContext
 from fcp.groups import GroupInfo, resolve_group
+from fcp.scan import fold_maps
 
 __all__ = [
     "all_gather_sequence",
@@ -278,6 +279,7 @@ def state_chain(
     blocks = _wait(funcol.all_gather_single(block.contiguous(), 0, info.group))
     # Rank 0 uses none of the gathered blocks; the anchor keeps it in the backward collective.
     acc = zero + all_gather_backward_anchor(blocks)
-    for j in range(info.rank):  # static: the rank is a Python int
-        acc = blocks[j, ..., :k] @ acc + blocks[j, ..., k:]
+    if info.rank:  # static: the rank is a Python int
+        # earlier ranks' maps composed by the same log-depth scan as KDA's chunks
+        acc = acc + fold_maps(blocks[: info.rank])[..., k:]
     return acc

@@ -15,9 +15,10 @@ How :func:`kda_chunked` stays exact and static:
   blocks factors through their boundary token, both exponents are direct sums of the g's they
   span (<= 0: no overflow at any decay; no difference of long cumulative sums: no cancellation).
 * ``(I + A)^-1`` of the WY form is built in the same hierarchy (log-depth block inversion).
-* Only the tokens of the run going on at a chunk's (shard's) start see the incoming state; a
-  single Python loop over chunks carries it (two small matmuls per chunk).
-* Under CP the loop runs on ``[S | P]`` with ``P0 = I``, giving the shard's transition ``M_r`` and
+* Only the tokens of the run going on at a chunk's (shard's) start see the incoming state; the
+  chunk recurrence ``S_{i+1} = A_i S_i + B_i`` is composed by a log-depth associative scan
+  (:func:`fcp.scan.chunk_scan`), so a compiled graph does not grow with the sequence length.
+* Under CP the scan runs on ``[S | P]`` with ``P0 = I``, giving the shard's transition ``M_r`` and
   each token's response to ``S_in`` in the same pass; ``S_in`` from ``state_chain`` is then added
   to the outputs of the shard's first run.
 """
@@ -30,6 +31,7 @@ from fcp.comm import state_chain
 from fcp.context import PackedContext
 from fcp.layout import document_starts
 from fcp.ops.common import compute_dtype, default_scale
+from fcp.scan import chunk_scan
 
 __all__ = ["kda_chunked"]
 
@@ -246,18 +248,12 @@ def kda_chunked(
         eye = torch.eye(dk, dtype=dt, device=q.device).expand(bsz, hv, dk, dk)
         state = torch.cat([u0.new_zeros(bsz, hv, dk, dv), eye], -1)
     else:
-        state = u0.new_zeros(bsz, hv, dk, dv)
+        state = None  # zero
 
-    # The only sequential part: one step per chunk, two small matmuls each. unbind (not
-    # indexing in the loop) so the backward is one stack, not one full-size zero-fill per chunk.
-    states, pseudo = [], []
-    kd_t, dec_col = kd.transpose(-1, -2), dec[..., None]
-    for u0_i, w_i, kd_i, dec_i in zip(u0.unbind(2), w.unbind(2), kd_t.unbind(2), dec_col.unbind(2)):
-        states.append(state)
-        u = u0_i - w_i @ state
-        pseudo.append(u)
-        state = dec_i * state + kd_i @ u
-    out = qg @ torch.stack(states, 2) + aqk @ torch.stack(pseudo, 2)  # [B, HV, N, C, V(+K)]
+    # The chunk recurrence, composed as affine maps by a log-depth scan (no Python loop over
+    # chunks, so the compiled graph does not grow with the sequence length).
+    states, pseudo, state = chunk_scan(w, u0, kd, dec, state)
+    out = qg @ states + aqk @ pseudo  # [B, HV, N, C, V(+K)]
 
     if cp:
         s_in = state_chain(state[..., dv:], state[..., :dv], context).to(dt)
