@@ -93,7 +93,7 @@ def main(argv=None) -> Path:
     q = args.quick
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks import bench_attention, bench_comm, bench_scaling
+    from benchmarks import bench_attention, bench_comm, bench_index_attention, bench_scaling
 
     sections = []
     print("collectives ...", flush=True)
@@ -104,6 +104,11 @@ def main(argv=None) -> Path:
                                                                     ["512", "1024", "2048"]),
                                                      "--repeats", "3" if q else "5"])
     sections.append(("Attention operators: bytes and CP vs single process", text))
+    print("index attention ...", flush=True)
+    idx_rows, text = _capture(bench_index_attention.main,
+                              ["--lengths", *(["2048", "8192"] if q else ["2048", "8192", "32768"]),
+                               "--repeats", "2" if q else "3"])  # fmt: skip
+    sections.append(("Index attention: time per token (1 thread) and CP bytes per layer", text))
     print("CP scaling ...", flush=True)
     sc_rows, text = _capture(bench_scaling.main, ["--lengths", *(["512", "1024"] if q else
                                                                  ["1024", "2048", "4096"]),
@@ -137,6 +142,15 @@ def main(argv=None) -> Path:
                     f"gather | {r['predicted_bytes'] / r['full_kv_bytes']:.3f} |")
         head.append(f"| {name} ({r['seq']} tokens, {r['world']} ranks): single / CP time | "
                     f"{r['speedup']:.2f}x |")
+    for kind in sorted({r["kind"] for r in idx_rows}):
+        rs = [r for r in idx_rows if r["kind"] == kind]
+        times = " / ".join(f"{r['us_per_token']:.0f}" for r in rs)
+        sizes = "/".join(f"{r['tokens'] // 1024}k" for r in rs)
+        head.append(f"| index attention ({kind}-shaped, W={rs[0]['width']}) us per token at "
+                    f"{sizes} tokens (flat = cost independent of length) | {times} |")
+    for r in bench_index_attention.cp_bytes():
+        head.append(f"| {r['model']} under CP: bytes / full K/V gather | "
+                    f"{r['fcp'] / r['full_kv']:.3f} |")
     for r in sc_rows:
         if r["world"] > 1:
             base = next(b for b in sc_rows if b["tokens"] == r["tokens"] and b["world"] == 1)

@@ -6,8 +6,8 @@
 1. Bytes received per rank in the forward pass, for each operator, next to a full K/V all-gather
    (what a naive CP attention moves): computed from the shapes and measured by counting the
    funcol collectives' buffers with a dispatch hook (the backward reduce-scatter mirrors the
-   differentiable gathers). ``compressed`` moves ``1/ratio`` of K/V plus a ``window - 1`` halo;
-   ``sparse`` moves the full K/V plus one pooled fp32 index key per block.
+   differentiable gathers). ``compressed`` moves ``1/ratio`` of K/V plus a ``window - 1`` halo.
+   (Index attention and the indexers: ``bench_index_attention.py``.)
 2. Forward + backward time of each operator on ``world`` CP ranks (max over ranks of the median)
    versus the same global batch in one process, at growing global lengths, as a ratio
    ``single / CP`` (> 1: CP is faster). Every process runs with one intra-op thread, so the ratio
@@ -15,7 +15,7 @@
    ranks, the ranks share cores and the ratio is pessimistic.
 
 Shapes: batch 1, heads 4, kv_heads 2, D 32, fp32; random packings with a pad tail;
-``compressed``: ratio 4, window 16; ``sparse``: block 16, topk 8, 4 index heads of dim 16.
+``compressed``: ratio 4, window 16.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import torch.distributed as dist
 
 from fcp.context import PackedContext
 from fcp.layout import doc_ids_from_seq_lens
-from fcp.ops.attention import compressed_attention, doc_causal_attention, sparse_attention
+from fcp.ops.attention import compressed_attention, doc_causal_attention
 from examples.comm_accounting import CommBytes
 from tests.support.rank_pool import RankPool
 
-HEADS, KV_HEADS, DIM, INDEX_HEADS, INDEX_DIM = 4, 2, 32, 4, 16
-RATIO, WINDOW, BLOCK, TOPK = 4, 16, 16, 8
-OPS = ("doc_causal", "compressed", "sparse")
+HEADS, KV_HEADS, DIM = 4, 2, 32
+RATIO, WINDOW = 4, 16
+OPS = ("doc_causal", "compressed")
 
 
 def make_batch(seq: int, seed: int = 0):
@@ -49,18 +49,14 @@ def make_batch(seq: int, seed: int = 0):
     def r(*shape):
         return torch.randn(1, seq, *shape, generator=g)
 
-    t = dict(q=r(HEADS, DIM), k=r(KV_HEADS, DIM), v=r(KV_HEADS, DIM),
-             index_q=r(INDEX_HEADS, INDEX_DIM), index_k=r(INDEX_DIM), index_weights=r(INDEX_HEADS))
+    t = dict(q=r(HEADS, DIM), k=r(KV_HEADS, DIM), v=r(KV_HEADS, DIM))
     return doc_ids, t
 
 
 def run_op(name, t, ctx):
     if name == "doc_causal":
         return doc_causal_attention(t["q"], t["k"], t["v"], ctx)
-    if name == "compressed":
-        return compressed_attention(t["q"], t["k"], t["v"], ctx, ratio=RATIO, window=WINDOW)
-    return sparse_attention(t["q"], t["k"], t["v"], t["index_q"], t["index_k"], t["index_weights"],
-                            ctx, block=BLOCK, topk=TOPK)
+    return compressed_attention(t["q"], t["k"], t["v"], ctx, ratio=RATIO, window=WINDOW)
 
 
 def fwd_bwd(name, full, ctx):
@@ -75,9 +71,8 @@ def predicted_bytes(name: str, world: int, local: int) -> tuple[int, int]:
     full = (world - 1) * local * kv_token
     if name == "doc_causal":
         return full, full
-    if name == "compressed":  # the last rank's halo is the full window - 1 tokens
-        return (world - 1) * (local // RATIO) * kv_token + (WINDOW - 1) * kv_token, full
-    return full + (world - 1) * (local // BLOCK) * INDEX_DIM * 4, full
+    # compressed: the last rank's halo is the full window - 1 tokens
+    return (world - 1) * (local // RATIO) * kv_token + (WINDOW - 1) * kv_token, full
 
 
 def count_bytes(name, full, ctx) -> int:

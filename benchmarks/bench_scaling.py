@@ -1,4 +1,4 @@
-"""CP scaling of one hybrid layer (short conv -> KDA -> pooled-key sparse attention) on gloo ranks.
+"""CP scaling of one hybrid layer (short conv -> KDA -> DSA index attention) on gloo ranks.
 
     .venv/bin/python benchmarks/bench_scaling.py [--lengths 1024 2048 4096] [--worlds 1 2 4]
 
@@ -37,7 +37,8 @@ def _params(seed: int = 0) -> dict:
 
 
 def layer(x, p, ctx):
-    """[B, L, D] -> [B, L, HEADS * DK]: conv -> KDA -> sparse attention over the KDA output."""
+    """[B, L, D] -> [B, L, HEADS * DK]: conv -> KDA -> index attention over the KDA output, on
+    the tokens a k-pool indexer picks (pools of 16, 64 tokens from complete pools + the tail)."""
     b, n, _ = x.shape
     h = fcp.short_conv(x, p["conv"], None, ctx, activation="silu")
     q = torch.nn.functional.normalize((h @ p["wq"]).view(b, n, HEADS, DK), dim=-1)
@@ -49,7 +50,9 @@ def layer(x, p, ctx):
     iq = (x @ p["iq"]).view(b, n, 2, 16)
     ik = x @ p["ik"]
     iw = x @ p["iw"]
-    a = fcp.sparse_attention(o, o, o, iq, ik, iw, ctx, block=16, topk=4)
+    ape = torch.zeros(16, 16)  # zero gate logits and position embedding: mean pooling
+    idx = fcp.kpool_indexer(iq, ik, torch.zeros_like(ik), ape, iw, ctx, topk=64, kpool=16)
+    a = fcp.index_attention(o, o, o, idx, ctx)
     return a.flatten(2)
 
 
@@ -114,7 +117,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--packings", type=int, default=5)
     args = ap.parse_args(argv)
     rows = []
-    print("# one hybrid layer (conv -> KDA -> sparse attention), forward + backward, fp32")
+    print("# one hybrid layer (conv -> KDA -> DSA index attention), forward + backward, fp32")
     print(f"{'tokens':>7} {'world':>5} {'us/token':>9} {'spread':>15} {'saved MB/rank':>13} "
           f"{'vs 1 rank':>9} {'compiled/eager':>14} {'compiles':>8}")
     with RankPool(max_world_size=max(args.worlds), timeout=600, job_timeout=3600) as pool:

@@ -1,7 +1,8 @@
 """Two tiny hybrid language models written against fcp's operators.
 
 * :class:`Glm5FlashLike` - GLM-5.3-Flash-like: blocks of (short conv -> KDA) alternate with
-  pooled-key sparse attention (a DSA-style top-k block selection).
+  DSA sparse attention: GLM-5.3-Flash's k-pool indexer picks each query's tokens, index
+  attention reads them from an MLA-style latent.
 * :class:`Qwen38FlashNextLike` - Qwen3.8-Flash-Next-like: three KDA blocks per gated compressed
   (ratio 4, block-mean keys plus an exact window) attention block.
 
@@ -13,19 +14,20 @@ rank's token slice and its :class:`fcp.PackedContext`::
     loss = token_loss_sum(logits, local["labels"]) / n_loss_tokens_of_the_full_batch
 
 The same code runs without CP (``cp_group=None`` or ``fcp.PackedContext(doc_ids)``) and with CP
-over any number of ranks: every token-mixing operator (short conv, KDA, sparse and compressed
-attention) communicates by itself through the context; everything else (embeddings, norms,
-projections, MLPs, the LM head) is per-token and needs nothing. Forward passes have no host
-synchronisation and no data-dependent shapes, so ``torch.compile(fullgraph=True)`` traces them
-once and a new packing never recompiles.
+over any number of ranks: every token-mixing operator (short conv, KDA, the indexer, index and
+compressed attention) communicates by itself through the context, except that the DSA mixer
+all-gathers its own KV latent (the smallest tensor that determines K and V); everything else
+(embeddings, norms, projections, MLPs, the LM head) is per-token and needs nothing. Forward
+passes have no host synchronisation and no data-dependent shapes, so
+``torch.compile(fullgraph=True)`` traces them once and a new packing never recompiles.
 
 Under CP, parameter gradients are per-rank partial sums: :func:`all_reduce_grads` sums them over
 the CP group before the optimizer step (the same reduction data parallelism does).
 
 The attention layers use no positional encoding (NoPE): the KDA layers before them carry order,
-as in Kimi Linear. Sparse attention's indexer reuses the layer's own (detached) queries and keys,
-so every parameter learns from the language-model loss alone (GLM-5/DeepSeek train a separate
-lightning indexer with an extra KL loss; that is orthogonal to context parallelism).
+as in Kimi Linear and GLM-5.3-Flash. The DSA indexer's parameters are frozen: its selection is
+discrete and carries no gradient, and GLM-5.3-Flash (transformers, NeMo) trains no indexer loss
+(DeepSeek's KL loss for the indexer is orthogonal to context parallelism).
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fcp import PackedContext, short_conv
-from fcp.ops.attention import compressed_attention, sparse_attention
+from fcp import PackedContext, all_gather_sequence, short_conv
+from fcp.ops.attention import compressed_attention
+from fcp.ops.index_attention import index_attention
 from fcp.ops.kda import kda
+from fcp.ops.kpool_indexer import kpool_indexer
 
 __all__ = [
     "IGNORE_INDEX",
@@ -61,8 +65,8 @@ IGNORE_INDEX = -100
 @dataclass(frozen=True)
 class ModelConfig:
     """Sizes of a tiny hybrid model. ``layers`` names each block's token mixer in order:
-    ``"kda"`` (short conv -> KDA), ``"sparse"`` (pooled-key sparse attention) or
-    ``"compressed"`` (gated compressed attention)."""
+    ``"kda"`` (short conv -> KDA), ``"sparse"`` (DSA: k-pool indexer + index attention over an
+    MLA-style latent) or ``"compressed"`` (gated compressed attention)."""
 
     vocab_size: int = 256
     d_model: int = 64
@@ -76,8 +80,11 @@ class ModelConfig:
     attn_heads: int = 2
     attn_kv_heads: int = 1
     attn_head_dim: int = 32
-    block: int = 4  # sparse attention block (tokens)
-    topk: int = 8  # sparse attention: selected earlier blocks per query
+    kv_lora_rank: int = 32  # DSA attention: KV latent width (all-gathered under CP)
+    kpool: int = 4  # DSA indexer: tokens per pool (pools start at every document start)
+    index_topk: int = 32  # DSA indexer: tokens chosen from complete pools (a multiple of kpool)
+    index_heads: int = 2  # DSA indexer heads
+    index_dim: int = 16  # DSA indexer head dim
     ratio: int = 4  # compressed attention ratio
     window: int = 16  # compressed attention exact window
     # MLP
@@ -87,9 +94,7 @@ class ModelConfig:
     @property
     def pad_multiple(self) -> int:
         """Every rank's local length must be a multiple of this (``shard_batch(pad_multiple=)``)."""
-        m = 1
-        if "sparse" in self.layers:
-            m = math.lcm(m, self.block)
+        m = 1  # the DSA indexer works with any local length (pools straddle ranks)
         if "compressed" in self.layers:
             m = math.lcm(m, self.ratio)
         return m
@@ -189,23 +194,58 @@ class _AttentionBase(nn.Module):
         return self.o_proj(o)
 
 
-class SparseAttentionMixer(_AttentionBase):
-    """Pooled-key sparse attention: each query attends to its own block plus the ``topk``
-    earlier same-document blocks whose mean key best matches it (scored with the layer's own
-    detached q/k: ``index_q = q``, ``index_k = mean of k over kv heads``)."""
+class SparseAttentionMixer(nn.Module):
+    """GLM-5.3-Flash-like DSA attention: a k-pool indexer picks ``index_topk`` tokens from the
+    query's complete pools of ``kpool`` tokens (plus its incomplete pool, the tail), and every
+    head attends to exactly those tokens.
+
+    Keys and values come from an MLA-style latent ``c = RMSNorm(W_a x)`` (``kv_lora_rank`` per
+    token) expanded per head by ``W_b``: under CP each rank all-gathers ``c`` and expands it
+    (``index_attention(..., kv="global")``), so the latent, not the per-head K/V, crosses
+    ranks. The indexer has its own frozen projections (queries, LayerNorm'd keys, per-channel
+    pool gate logits and position embedding, head weights), as GLM-5.3-Flash's does.
+    """
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.block, self.topk = cfg.block, cfg.topk
+        super().__init__()
+        d, h, dh = cfg.d_model, cfg.attn_heads, cfg.attn_head_dim
+        hi, di = cfg.index_heads, cfg.index_dim
+        self.h, self.dh, self.hi, self.di = h, dh, hi, di
+        self.kpool, self.index_topk = cfg.kpool, cfg.index_topk
+        self.q_proj = _linear(d, h * dh)
+        self.q_norm = RMSNorm(dh)
+        self.kv_a = _linear(d, cfg.kv_lora_rank)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b = _linear(cfg.kv_lora_rank, h * 2 * dh)
+        self.o_proj = _linear(h * dh, d)
+        nn.init.normal_(self.o_proj.weight, std=0.02)
+        self.index_q = _linear(d, hi * di)
+        self.index_k = _linear(d, di)
+        self.index_k_norm = nn.LayerNorm(di, eps=1e-6)
+        self.index_w = _linear(d, hi)
+        self.pool_gate = _linear(d, di)
+        self.pool_ape = nn.Parameter(torch.randn(cfg.kpool, di) * 0.1)
+        for module in (self.index_q, self.index_k, self.index_k_norm, self.index_w, self.pool_gate):
+            module.requires_grad_(False)
+        self.pool_ape.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
-        q, k, v = self.qkv(x)
-        index_k = k.mean(2)
-        index_w = torch.full(q.shape[:3], 1.0 / self.h, dtype=q.dtype, device=q.device)
-        o = sparse_attention(
-            q, k, v, q, index_k, index_w, ctx, block=self.block, topk=self.topk
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.h, self.dh))
+        latent = all_gather_sequence(self.kv_norm(self.kv_a(x)), ctx)  # [b, global_seq, r]
+        k, v = self.kv_b(latent).view(b, -1, self.h, 2 * self.dh).chunk(2, -1)
+        indices = kpool_indexer(
+            self.index_q(x).view(b, n, self.hi, self.di),
+            self.index_k_norm(self.index_k(x)),
+            self.pool_gate(x),
+            self.pool_ape,
+            self.index_w(x) * self.hi**-0.5,
+            ctx,
+            topk=self.index_topk,
+            kpool=self.kpool,
         )
-        return self.out(x, o)
+        o = index_attention(q, k, v, indices, ctx, kv="global")
+        return self.o_proj(o.reshape(b, n, self.h * self.dh))
 
 
 class CompressedAttentionMixer(_AttentionBase):
@@ -274,8 +314,8 @@ class HybridLM(nn.Module):
 
 
 class Glm5FlashLike(HybridLM):
-    """GLM-5.3-Flash-like: (short conv -> KDA) blocks alternating with pooled-key sparse
-    attention blocks (block 4, top-8 earlier blocks per query)."""
+    """GLM-5.3-Flash-like: (short conv -> KDA) blocks alternating with DSA attention blocks
+    (k-pool indexer: pools of 4, 32 tokens from complete pools plus the tail per query)."""
 
     default_config = ModelConfig(layers=("kda", "sparse", "kda", "sparse"))
 
@@ -320,7 +360,7 @@ def all_reduce_grads(
 
     ``extra`` (e.g. the detached local loss) rides along in the same buffer; its sum over the
     group is returned. No-op (returns ``extra``) when ``group`` is ``None`` or of size 1.
-    Parameters without a gradient on every rank (none in these models) are skipped.
+    Parameters without a gradient on every rank (the frozen DSA indexer's) are skipped.
     """
     if group is None or dist.get_world_size(group) == 1:
         return extra

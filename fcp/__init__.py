@@ -27,9 +27,12 @@ from fcp.groups import GroupInfo, resolve_group
 from fcp.context import PackedContext
 from fcp.comm import all_gather_backward_anchor, all_gather_sequence, left_halo, state_chain
 from fcp.shard import gather_sequence, shard_batch
-from fcp.ops.attention import compressed_attention, doc_causal_attention, sparse_attention
+from fcp.ops.attention import compressed_attention, doc_causal_attention
 from fcp.ops.conv import short_conv
+from fcp.ops.index_attention import index_attention
 from fcp.ops.kda import kda
+from fcp.ops.kpool_indexer import kpool_indexer
+from fcp.ops.qsa_indexer import qsa_indexer
 
 __all__ = [
     "PAD_DOC_ID",
@@ -43,15 +46,17 @@ __all__ = [
     "doc_ids_from_seq_lens",
     "document_starts",
     "gather_sequence",
+    "index_attention",
     "kda",
+    "kpool_indexer",
     "left_halo",
     "lengths_from_doc_ids",
     "packed_boundaries_from_seq_lens",
     "position_ids_from_doc_ids",
+    "qsa_indexer",
     "resolve_group",
     "segment_cu_seqlens",
     "shard_batch",
-    "sparse_attention",
     "short_conv",
     "state_chain",
     "validate_doc_ids",

@@ -7,14 +7,14 @@
   ``tests/test_attention.py`` (fp32, 1e-5).
 
 Packings: random document cuts (tiny documents, documents spanning every rank), pad tails of
-0-5 tokens (a rank may hold only padding), GQA head ratios, block/ratio/window/top-k settings.
+0-5 tokens (a rank may hold only padding), GQA head ratios, ratio/window settings.
 Shapes are tiny so the file runs in well under 90 s.
 """
 
 from __future__ import annotations
 
 import torch
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from tests import _attention_rank_fns as fns
 from tests.test_attention import packing, ref_grad, run_ref
@@ -40,8 +40,6 @@ def op_kwargs(draw, name: str) -> dict:
     if name == "compressed":
         ratio = draw(st.sampled_from([1, 2, 4]))
         return {"ratio": ratio, "window": draw(st.integers(1, 9))}
-    if name == "sparse":
-        return {"block": draw(st.sampled_from([1, 2, 4])), "topk": draw(st.integers(1, 4))}
     return {}
 
 
@@ -93,8 +91,7 @@ def test_single_process_equals_reference(data):
     doc_ids = data.draw(doc_rows(batch, seq))
     kwargs = op_kwargs(data.draw, name)
     inputs = fns.make_inputs(data.draw(st.integers(0, 2**16)), batch, seq, heads, kv_heads)
-    out_ref, t, ambiguous = run_ref(name, inputs, doc_ids, kwargs)
-    assume(not ambiguous)  # a top-k boundary within float32 noise of a tie
+    out_ref, t = run_ref(name, inputs, doc_ids, kwargs)
     grad_out = torch.randn(out_ref.shape, dtype=torch.float64)
     (out_ref * grad_out).sum().backward()
     got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out.float())

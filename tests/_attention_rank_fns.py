@@ -10,11 +10,10 @@ from __future__ import annotations
 import torch
 
 from fcp.context import PackedContext
-from fcp.ops.attention import compressed_attention, doc_causal_attention, sparse_attention
+from fcp.ops.attention import compressed_attention, doc_causal_attention
 
-OPS = ("doc_causal", "compressed", "sparse")
+OPS = ("doc_causal", "compressed")
 QKV = ("q", "k", "v")
-INDEX = ("index_q", "index_k", "index_weights")
 
 
 def make_inputs(
@@ -24,8 +23,6 @@ def make_inputs(
     heads: int = 2,
     kv_heads: int = 1,
     dim: int = 4,
-    index_heads: int = 2,
-    index_dim: int = 4,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
     """Global random inputs of every operator (CPU)."""
@@ -38,9 +35,6 @@ def make_inputs(
         "q": r(batch, seq, heads, dim),
         "k": r(batch, seq, kv_heads, dim),
         "v": r(batch, seq, kv_heads, dim),
-        "index_q": r(batch, seq, index_heads, index_dim),
-        "index_k": r(batch, seq, index_dim),
-        "index_weights": r(batch, seq, index_heads),
     }
 
 
@@ -49,9 +43,6 @@ def call_op(name: str, t: dict[str, torch.Tensor], ctx: PackedContext, kwargs: d
         return doc_causal_attention(t["q"], t["k"], t["v"], ctx, **kwargs)
     if name == "compressed":
         return compressed_attention(t["q"], t["k"], t["v"], ctx, **kwargs)
-    if name == "sparse":
-        args = [t[n] for n in QKV + INDEX]
-        return sparse_attention(*args, ctx, **kwargs)
     raise ValueError(name)
 
 

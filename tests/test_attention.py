@@ -2,8 +2,8 @@
 
 Each operator is checked against its float64 reference (``<op>/reference.py``: the definition,
 one query at a time, Python loops over keys/blocks), forward and q/k/v gradients;
-then isolation between documents and causality (bitwise), pad handling, the sparse indexer's
-ties and missing candidates, argument errors, CP on real gloo groups, and torch.compile.
+then isolation between documents and causality (bitwise), pad handling, argument errors, CP on
+real gloo groups, and torch.compile. (Indexer-selected attention: tests/test_index_attention.py.)
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ from fcp.context import PackedContext
 from fcp.layout import doc_ids_from_seq_lens
 from fcp.ops.attention.compressed import compressed_attention_reference as ref_compressed
 from fcp.ops.attention.doc_causal import doc_causal_attention_reference as ref_doc_causal
-from fcp.ops.attention.sparse import sparse_attention_reference as ref_sparse
-from fcp.ops.attention.sparse.reference import sparse_selection_reference as ref_sparse_selection
-from fcp.ops.attention.loops import attend_keys, prepare
 from tests import _attention_rank_fns as fns
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
@@ -35,19 +32,15 @@ def packing(seq: int, *rows: list[int]) -> torch.Tensor:
 def run_ref(name, inputs, doc_ids, kwargs):
     t = {n: x.clone().double().requires_grad_(n in fns.QKV) for n, x in inputs.items()}
     if name == "doc_causal":
-        out, amb = ref_doc_causal(t["q"], t["k"], t["v"], doc_ids, **kwargs), False
-    elif name == "compressed":
-        out, amb = ref_compressed(t["q"], t["k"], t["v"], doc_ids, **kwargs), False
+        out = ref_doc_causal(t["q"], t["k"], t["v"], doc_ids, **kwargs)
     else:
-        args = [t[n] for n in fns.QKV + fns.INDEX]
-        out, amb = ref_sparse(*args, doc_ids, **kwargs)
-    return out, t, amb
+        out = ref_compressed(t["q"], t["k"], t["v"], doc_ids, **kwargs)
+    return out, t
 
 
 def check_against_reference(name, inputs, doc_ids, kwargs, tol=FP32):
     grad_out = torch.randn(inputs["q"].shape[:3] + inputs["v"].shape[3:], dtype=torch.float64)
-    out_ref, t, amb = run_ref(name, inputs, doc_ids, kwargs)
-    assert not amb, "test data has a near-tie at the top-k boundary; pick another seed"
+    out_ref, t = run_ref(name, inputs, doc_ids, kwargs)
     (out_ref * grad_out).sum().backward()
     got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out.float())
     assert got["out"].dtype == inputs["q"].dtype
@@ -77,10 +70,6 @@ CASES = [
     ("compressed", {"ratio": 2, "window": 5}),
     ("compressed", {"ratio": 3, "window": 1}),
     ("compressed", {"ratio": 1, "window": 2}),
-    ("sparse", {}),
-    ("sparse", {"block": 2, "topk": 2}),
-    ("sparse", {"block": 3, "topk": 1}),
-    ("sparse", {"block": 1, "topk": 3}),
 ]
 
 
@@ -89,10 +78,7 @@ CASES = [
 def test_matches_reference(name, kwargs, pack):
     seq, *rows = PACKINGS[pack]
     doc_ids = packing(seq, *rows)
-    for seed in range(20):  # the first seed without a near-tie at the sparse top-k boundary
-        inputs = fns.make_inputs(seed, len(rows), seq, heads=4, kv_heads=2, dim=4)
-        if not run_ref(name, inputs, doc_ids, kwargs)[2]:
-            break
+    inputs = fns.make_inputs(0, len(rows), seq, heads=4, kv_heads=2, dim=4)
     check_against_reference(name, inputs, doc_ids, kwargs)
 
 
@@ -104,7 +90,6 @@ def test_length_not_a_multiple_of_the_block(name, seq):
     kwargs = {
         "doc_causal": {},
         "compressed": {"ratio": 4, "window": 3},
-        "sparse": {"block": 4, "topk": 1},
     }
     inputs = fns.make_inputs(1, 1, seq, heads=2, kv_heads=2, dim=8)
     check_against_reference(name, inputs, doc_ids, kwargs[name])
@@ -119,8 +104,7 @@ def test_bf16(name):
     reference (run on the same bf16-rounded inputs)."""
     doc_ids = packing(16, [6, 1, 7])
     inputs = fns.make_inputs(3, 1, 16, heads=4, kv_heads=1, dim=8, dtype=torch.bfloat16)
-    kwargs = {"sparse": {"block": 4, "topk": 1}}.get(name, {})
-    got = check_against_reference(name, inputs, doc_ids, kwargs, tol=BF16)
+    got = check_against_reference(name, inputs, doc_ids, {}, tol=BF16)
     assert all(got[n].dtype == torch.bfloat16 for n in ("out",) + fns.QKV)
 
 
@@ -165,13 +149,12 @@ def _perturb(inputs, positions):
 ISOLATION_KWARGS = {
     "doc_causal": {},
     "compressed": {"ratio": 2, "window": 3},
-    "sparse": {"block": 2, "topk": 1},  # fewer picks than candidates: selection matters
 }
 
 
 @pytest.mark.parametrize("name", fns.OPS)
 def test_isolation_bitwise(name):
-    """Perturbing every input (index tensors too) of one document changes no other output."""
+    """Perturbing every input of one document changes no other output."""
     doc_ids = packing(24, [5, 7, 1, 6, 3])  # blocks straddle documents
     for seed, d in itertools.product(range(3), range(1, 6)):
         inputs = fns.make_inputs(seed, 1, 24, heads=2, kv_heads=1)
@@ -195,48 +178,12 @@ def test_causality_bitwise(name):
         assert torch.equal(out[:, : t + 1], base[:, : t + 1]), t
 
 
-# ============================================================================ sparse specifics
-def test_sparse_ties_go_to_the_earlier_block():
-    """All indexer scores equal (zero index keys): top-k picks the earliest candidates."""
-    seq, block = 16, 2
-    doc_ids = packing(seq, [16])
-    inputs = fns.make_inputs(0, 1, seq, heads=1, kv_heads=1)
-    inputs["index_k"].zero_()
-    kw = {"block": block, "topk": 2}
-    got = _call("sparse", inputs, doc_ids, kw)
-    q, k, v, scale = prepare(inputs["q"], inputs["k"], inputs["v"], None)
-    for t in range(seq):
-        keys = [s for blk in sorted({0, 1} & set(range(t // block)) | {t // block})
-                for s in range(blk * block, (blk + 1) * block) if s <= t]
-        want = attend_keys(q[0, t], k[0], v[0], keys, scale)
-        torch.testing.assert_close(got[0, t].double(), want, **FP32)
-
-
-def test_sparse_topk_larger_than_candidates_is_not_an_error():
-    doc_ids = packing(8, [8])
-    inputs = fns.make_inputs(0, 1, 8)
-    want = _call("doc_causal", inputs, doc_ids)
-    got = _call("sparse", inputs, doc_ids, {"block": 2, "topk": 64})  # every block selected
-    torch.testing.assert_close(got, want, **FP32)
-
-
-def test_sparse_index_inputs_get_no_gradient():
-    doc_ids = packing(8, [8])
-    inputs = fns.make_inputs(0, 1, 8)
-    for n in fns.QKV + fns.INDEX:
-        inputs[n].requires_grad_()
-    _call("sparse", inputs, doc_ids, {"block": 2, "topk": 1}).sum().backward()
-    assert all(inputs[n].grad is not None for n in fns.QKV)
-    assert all(inputs[n].grad is None for n in fns.INDEX)
-
-
 # ============================================================================ errors
 class _FakeGroup:
     """Stands in for a ProcessGroup: the length checks run before any collective."""
 
 
-@pytest.mark.parametrize("name,kw,word", [("compressed", {"ratio": 4}, "ratio=4"),
-                                          ("sparse", {"block": 4}, "block=4")])
+@pytest.mark.parametrize("name,kw,word", [("compressed", {"ratio": 4}, "ratio=4")])
 def test_cp_local_length_must_be_a_multiple(name, kw, word):
     doc_ids = packing(12, [12])
     ctx = PackedContext(doc_ids, group=_FakeGroup(), cp_size=2, cp_rank=0)  # local 6
@@ -245,12 +192,12 @@ def test_cp_local_length_must_be_a_multiple(name, kw, word):
         fns.call_op(name, inputs, ctx, kw)
 
 
-@pytest.mark.parametrize("bad", ["heads", "dim", "length", "index_k", "ratio"])
+@pytest.mark.parametrize("bad", ["heads", "dim", "length", "ratio"])
 def test_bad_arguments(bad):
     doc_ids = packing(8, [8])
     t = fns.make_inputs(0, 1, 8, heads=3, kv_heads=1)
     ctx = PackedContext(doc_ids)
-    from fcp.ops.attention import compressed_attention, doc_causal_attention, sparse_attention
+    from fcp.ops.attention import compressed_attention, doc_causal_attention
 
     with pytest.raises(ValueError):
         if bad == "heads":
@@ -260,9 +207,6 @@ def test_bad_arguments(bad):
             doc_causal_attention(t["q"], t["k"][..., :2], t["v"], ctx)
         elif bad == "length":
             doc_causal_attention(t["q"][:, :4], t["k"][:, :4], t["v"][:, :4], ctx)
-        elif bad == "index_k":
-            sparse_attention(t["q"], t["k"], t["v"], t["index_q"], t["index_k"][..., None],
-                             t["index_weights"], ctx)
         else:
             compressed_attention(t["q"], t["k"], t["v"], ctx, ratio=0)
 
@@ -271,7 +215,6 @@ def test_bad_arguments(bad):
 CP_KWARGS = {
     "doc_causal": {},
     "compressed": {"ratio": 4, "window": 6},
-    "sparse": {"block": 4, "topk": 2},
 }
 
 
@@ -304,7 +247,7 @@ def test_cp_rank_holding_only_padding(rank_pool, name):
     assert torch.equal(res[1]["out"], torch.zeros_like(res[1]["out"]))
 
 
-@pytest.mark.parametrize("name", ["compressed", "sparse"])
+@pytest.mark.parametrize("name", ["compressed"])
 def test_cp_error_is_raised_on_every_rank(rank_pool, name):
     doc_ids = packing(12, [12])
     msgs = rank_pool.run(fns.cp_error, 2, name, fns.make_inputs(0, 1, 12), doc_ids, {})
@@ -376,7 +319,7 @@ def test_flex_compiles_without_recompiles_cpu():
     import torch._dynamo.testing
 
     inputs = fns.make_inputs(0, 2, 16)
-    for name in ["sparse"]:  # the richest mask_mod; the others trace the same helper
+    for name in ["compressed"]:  # the richest mask_mod; doc_causal traces the same helper
         torch._dynamo.reset()
         counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
         fn = torch.compile(fns.call_op, backend=counter, fullgraph=True)
@@ -394,10 +337,9 @@ def test_flex_cuda_matches_dense(name, dtype):
     """On CUDA the Flex backend (forward and q/k/v grads) equals the dense backend."""
     seq = 256
     doc_ids = packing(seq, [1, 60, 3, 100, 17, 50]).cuda()
-    inputs = {n: x.cuda() for n, x in fns.make_inputs(0, 1, seq, 4, 2, 16, 2, 16, dtype).items()}
+    inputs = {n: x.cuda() for n, x in fns.make_inputs(0, 1, seq, 4, 2, 16, dtype).items()}
     grad_out = torch.randn(1, seq, 4, 16, device="cuda")
-    kwargs = {"doc_causal": {}, "compressed": {"ratio": 4, "window": 8},
-              "sparse": {"block": 16, "topk": 3}}[name]
+    kwargs = {"doc_causal": {}, "compressed": {"ratio": 4, "window": 8}}[name]
     want = fns.single_process(name, inputs, doc_ids, {**kwargs, "backend": "dense"}, grad_out)
     got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out)  # auto: flex on CUDA
     tol = FP32 if dtype == torch.float32 else BF16
@@ -414,7 +356,7 @@ def test_flex_cuda_compiled_no_recompile(name):
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     fn = torch.compile(fns.call_op, backend=counter, fullgraph=True)
-    inputs = {n: x.cuda() for n, x in fns.make_inputs(0, 2, 128, 4, 2, 16, 2, 16).items()}
+    inputs = {n: x.cuda() for n, x in fns.make_inputs(0, 2, 128, 4, 2, 16).items()}
     for doc_ids in random_packings(20, 2, 128, seed=5):
         fn(name, inputs, PackedContext(doc_ids.cuda()), CP_KWARGS[name])
     assert counter.frame_count == 1

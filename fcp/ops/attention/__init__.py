@@ -5,8 +5,11 @@ only dispatcher:
 
 * :mod:`.doc_causal` - causal attention within each document (all-gathered K/V);
 * :mod:`.compressed` - same-document block means plus an exact sliding window (all-gathers only
-  the compressed K/V, plus a ``window - 1`` left halo);
-* :mod:`.sparse` - indexer-selected top-k earlier blocks plus the own block (pooled-key DSA).
+  the compressed K/V, plus a ``window - 1`` left halo).
+
+Attention over indexer-selected tokens (GLM-5.3-Flash's DSA, Qwen3.8-Flash-Next's QSA) is its
+own operator: :mod:`fcp.ops.index_attention`, fed by :mod:`fcp.ops.kpool_indexer` or
+:mod:`fcp.ops.qsa_indexer`.
 
 Shared pieces: :mod:`.checks` (arguments, backend choice), :mod:`.masks` (masks from the
 replicated doc-id map), :mod:`.dense` (the masked fp32 softmax, every device) and :mod:`.flex`
@@ -22,6 +25,5 @@ doc-id map with static shapes (no host sync; no recompilation when the packing c
 from fcp.ops.attention.checks import BACKENDS
 from fcp.ops.attention.compressed import compressed_attention
 from fcp.ops.attention.doc_causal import doc_causal_attention
-from fcp.ops.attention.sparse import sparse_attention
 
-__all__ = ["BACKENDS", "compressed_attention", "doc_causal_attention", "sparse_attention"]
+__all__ = ["BACKENDS", "compressed_attention", "doc_causal_attention"]

@@ -1,9 +1,8 @@
 """FlexAttention backend (CUDA), fed the same K/V and the same masks as the dense backend.
 
-Every operator reduces to one rule per key, so one mask_mod serves all three::
+Every operator reduces to one rule per key, so one mask_mod serves both::
 
     visible(t, key) = key_doc[key] == doc(t) != 0  and  q_lo[key] <= t <= q_hi[key]
-                      [and, for sparse attention, key's block selected for t or t's own block]
 
 with ``t`` the *local* query index and per-key int64 bounds:
 
@@ -69,9 +68,6 @@ def flex_attend(
     q_lo: torch.Tensor,
     q_hi: torch.Tensor,
     scale: float,
-    selected: torch.Tensor | None = None,
-    block: int = 1,
-    seq_start: int = 0,
 ) -> torch.Tensor:
     """Masked attention with FlexAttention.
 
@@ -79,9 +75,6 @@ def flex_attend(
         q: ``[batch, local, heads, D]``; ``k``, ``v``: ``[batch, keys, kv_heads, D]``.
         doc_q: ``[batch, local]`` query doc ids; ``key_doc``: ``[batch, keys]``.
         q_lo, q_hi: int64 ``[keys]``, the local query range that may see each key.
-        selected: optional bool ``[batch, local, blocks]`` (sparse attention): key ``s`` (global
-            position ``s``) is also required to lie in a selected block or in the query's own
-            block ``(t + seq_start) // block``.
 
     Returns ``[batch, local, heads, Dv]`` in ``q``'s dtype.
     """
@@ -89,11 +82,7 @@ def flex_attend(
 
     def mask_mod(b, h, qi, ki):
         dq = doc_q[b, qi]
-        keep = (key_doc[b, ki] == dq) & (dq != 0) & (q_lo[ki] <= qi) & (qi <= q_hi[ki])
-        if selected is not None:
-            kb = ki // block
-            keep = keep & (selected[b, qi, kb] | (kb == (qi + seq_start) // block))
-        return keep
+        return (key_doc[b, ki] == dq) & (dq != 0) & (q_lo[ki] <= qi) & (qi <= q_hi[ki])
 
     batch, lq, heads = q.shape[:3]
     mask = create_block_mask(mask_mod, batch, None, lq, k.shape[1], device=q.device)

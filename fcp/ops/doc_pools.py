@@ -1,0 +1,260 @@
+"""Document-aligned pools of ``k`` tokens under contiguous CP, for the indexers.
+
+What the two indexers (:mod:`fcp.ops.kpool_indexer`, GLM-5.3-Flash's DSA k-pool indexer, and
+:mod:`fcp.ops.qsa_indexer`, Qwen3.8-Flash-Next's QSA selection) share: where pools end, a static
+table of pool slots, the ``k`` tokens behind each pool end (across rank boundaries), the
+all-gather of one summary vector per pool, a top-k with a fixed tie rule, and the expansion of
+chosen pools (plus the query's incomplete pool, the *tail*) back to global token ids. Nothing
+here computes a pooled key or a score: each indexer brings its own.
+
+Pools. Pool ``j`` of a document covers its document-local positions ``[j*k, (j+1)*k)``; only
+complete pools exist. A token *ends a pool* iff it is real (doc id != 0) and its document-local
+position ``p`` has ``(p + 1) % k == 0``; its pool is the ``k`` tokens up to and including it, all
+in its document. A pool ending at ``e`` is visible to query ``t`` iff ``doc(e) == doc(t) != 0``
+and ``e <= t``. Pool ends are at least ``k`` apart (the ``k - 1`` tokens before an end share its
+document), so a rank's interval of ``L`` tokens holds at most ``ceil(L / k)`` of them: every
+rank compacts its pool ends into that many *slots*, a static shape whatever the packing.
+
+Worked example (``k = 4``, two ranks of 8 tokens: rank 0 owns 0-7, rank 1 owns 8-15)::
+
+    global position  0 1 2 3 4 5 6 7 | 8 9 10 11 12 13 14 15
+    doc id           1 1 1 1 1 1 2 2 | 2 2  2  2  2  2  2  0
+    document pos     0 1 2 3 4 5 0 1 | 2 3  4  5  6  7  8  0
+    ends a pool            X         |   X              X
+
+    pool_slots -> [[3, -1, 9, 13]]   (2 slots per rank, rank-major, ascending, -1 = empty)
+
+The pool ending at 9 covers tokens 6..9 and straddles the rank boundary: rank 1 reads tokens
+6 and 7 through :func:`fcp.comm.left_halo` (``k - 1`` tokens). Query 14 sees the pools ending at
+9 and 13; its tail is token 14 (document positions 8..8, the start of its incomplete pool).
+
+Everything is compile-safe: static shapes from Python ints, no host synchronisation; the slot
+table is derived on every rank from the replicated doc-id map (no communication), and the only
+collectives are one ``k - 1`` token left halo and one all-gather of the per-slot summaries.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fcp.comm import all_gather_sequence, left_halo
+from fcp.context import PackedContext
+from fcp.layout import PAD_DOC_ID, document_starts, position_ids_from_doc_ids
+
+__all__ = [
+    "pool_ends",
+    "slot_capacity",
+    "pool_slots",
+    "local_slots",
+    "pool_windows",
+    "all_gather_slots",
+    "visible_pools",
+    "top_pools",
+    "by_score",
+    "pool_tokens",
+    "tail_tokens",
+    "doc_lengths",
+    "place_tail",
+    "rank_pools_reference",
+]
+
+
+def pool_ends(doc_ids: torch.Tensor, kpool: int) -> torch.Tensor:
+    """bool ``[batch, seq]``: the token is real and ends a complete document-aligned pool.
+
+    >>> pool_ends(torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0]]), 2).int().tolist()
+    [[0, 1, 0, 0, 1, 0, 1, 0]]
+    """
+    pos = position_ids_from_doc_ids(doc_ids)
+    return (doc_ids != PAD_DOC_ID) & ((pos + 1) % kpool == 0)
+
+
+def slot_capacity(local_len: int, kpool: int) -> int:
+    """Slots per rank: ``ceil(local_len / kpool)``, the most pool ends one interval can hold."""
+    return math.ceil(local_len / kpool)
+
+
+def pool_slots(doc_ids: torch.Tensor, kpool: int, cp_size: int) -> torch.Tensor:
+    """int64 ``[batch, cp_size * C]``: global end positions of every rank's pools, -1 for empty.
+
+    ``C = slot_capacity(seq // cp_size, kpool)``; rank ``r``'s pools fill slots
+    ``[r*C, (r+1)*C)`` in ascending order, so valid entries ascend along the row. Computed from
+    the replicated map on every rank (same answer everywhere, no communication).
+    """
+    batch, seq = doc_ids.shape
+    local = seq // cp_size
+    cap = slot_capacity(local, kpool)
+    ends = pool_ends(doc_ids, kpool).view(batch, cp_size, local)
+    count = torch.cumsum(ends, -1, dtype=torch.int32).contiguous()  # [b, r, L]
+    want = torch.arange(1, cap + 1, dtype=torch.int32, device=doc_ids.device)
+    want = want.expand(batch, cp_size, cap).contiguous()
+    # the (c+1)-th pool end of a rank is the first position where the running count reaches c+1
+    where = torch.searchsorted(count, want)  # [b, r, C], == local when there is none
+    base = torch.arange(cp_size, device=doc_ids.device)[:, None] * local
+    slots = torch.where(where < local, where + base, -1)
+    return slots.flatten(1)
+
+
+def local_slots(slots: torch.Tensor, context: PackedContext, kpool: int) -> torch.Tensor:
+    """This rank's part of :func:`pool_slots`: int64 ``[batch, C]`` global end positions."""
+    cap = slot_capacity(context.local_seq_len, kpool)
+    return slots[:, context.cp_rank * cap : (context.cp_rank + 1) * cap]
+
+
+def pool_windows(
+    x: torch.Tensor, ends: torch.Tensor, context: PackedContext, kpool: int
+) -> torch.Tensor:
+    """The ``kpool`` tokens of each local pool: ``[batch, C, kpool, *channels]``.
+
+    Args:
+        x: ``[batch, local_seq, *channels]``, this rank's shard (any dtype; no gradient flows).
+        ends: int64 ``[batch, C]`` from :func:`local_slots` (-1 = empty slot: its window holds
+            arbitrary finite tokens of the shard; callers mask it).
+        context: the rank's context; ``kpool - 1`` tokens before the interval come from
+            :func:`fcp.comm.left_halo` (zeros before the sequence start, never read by a pool).
+
+    Row ``i`` of a window is the token ``end - kpool + 1 + i`` (ascending positions).
+    """
+    x = x.detach()
+    halo = left_halo(x, context, kpool - 1)
+    both = torch.cat([halo, x], 1) if kpool > 1 else x  # index j + kpool - 1 = local token j
+    first = (ends - context.seq_start).clamp(min=0)  # window start, in ``both`` coordinates
+    idx = first[..., None] + torch.arange(kpool, device=x.device)  # [b, C, k]
+    rows = torch.arange(x.shape[0], device=x.device)[:, None, None]
+    return both[rows, idx]
+
+
+def all_gather_slots(per_slot: torch.Tensor, context: PackedContext) -> torch.Tensor:
+    """``[batch, C, ...] -> [batch, cp_size * C, ...]`` in rank order (no gradient; identity
+    without CP). The slots line up with :func:`pool_slots`."""
+    return all_gather_sequence(
+        per_slot.detach().contiguous(), context.group, 1, differentiable=False, validate=False
+    )
+
+
+def visible_pools(slots: torch.Tensor, context: PackedContext) -> torch.Tensor:
+    """bool ``[batch, local_seq, P]``: slot ``j`` holds a pool visible to the local query
+    (``doc(end) == doc(t) != 0`` and ``end <= t``)."""
+    doc_ids = context.doc_ids
+    doc_end = doc_ids.gather(1, slots.clamp(min=0))  # [b, P]
+    t = torch.arange(context.seq_start, context.seq_end, device=doc_ids.device)
+    doc_q = context.local_doc_ids
+    same = (doc_end[:, None, :] == doc_q[:, :, None]) & (doc_q != PAD_DOC_ID)[:, :, None]
+    return same & (slots >= 0)[:, None, :] & (slots[:, None, :] <= t[None, :, None])
+
+
+def top_pools(
+    score: torch.Tensor, visible: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``k`` best visible pools per query, with a fixed tie rule.
+
+    Rule: a higher score first; among equal scores the earlier slot (= the earlier pool) first.
+    NaN scores count as ``-inf``; a query with fewer than ``k`` visible pools gets all of them.
+
+    Args:
+        score: float ``[..., P]``; visible: bool ``[..., P]``.
+
+    Returns:
+        ``(slot, chosen, chosen_score)``, each ``[..., k]``: slot indices in ascending slot
+        order (chosen ones first; unchosen entries are arbitrary, ``chosen`` False), and the
+        scores of the chosen slots. Cost ``O(P)`` per query (a ``topk`` for the k-th value, two
+        cumulative sums), not a sort of the row.
+    """
+    p = score.shape[-1]
+    kk = min(k, p)
+    s = torch.where(visible & ~torch.isnan(score), score, float("-inf"))
+    if kk == 0:
+        slot = torch.zeros(*score.shape[:-1], k, dtype=torch.int64, device=score.device)
+        return slot, torch.zeros_like(slot, dtype=torch.bool), torch.zeros_like(slot, dtype=s.dtype)
+    kth = torch.topk(s, kk, -1).values[..., -1:]  # the kk-th largest value, whatever tie order
+    above = visible & (s > kth)
+    at = visible & (s == kth)
+    room = kk - above.sum(-1, keepdim=True, dtype=torch.int32)
+    chosen = above | (at & (torch.cumsum(at, -1, dtype=torch.int32) <= room))
+    count = chosen.sum(-1, keepdim=True, dtype=torch.int32)
+    running = torch.cumsum(chosen, -1, dtype=torch.int32).contiguous()
+    want = torch.arange(1, kk + 1, dtype=torch.int32, device=score.device)
+    want = want.expand(*score.shape[:-1], kk).contiguous()
+    slot = torch.searchsorted(running, want).clamp(max=p - 1)  # the j-th chosen slot
+    ok = want <= count
+    picked = torch.where(ok, s.gather(-1, slot), float("-inf"))
+    if kk < k:
+        pad = k - kk
+        slot = torch.cat([slot, slot.new_zeros(*slot.shape[:-1], pad)], -1)
+        ok = torch.cat([ok, ok.new_zeros(*ok.shape[:-1], pad)], -1)
+        picked = torch.cat([picked, picked.new_full((*picked.shape[:-1], pad), float("-inf"))], -1)
+    return slot, ok, picked
+
+
+def by_score(
+    slot: torch.Tensor, chosen: torch.Tensor, chosen_score: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reorder :func:`top_pools`' output by descending score, ties (and ``-inf``) by slot, the
+    unchosen entries last (a stable sort of ``k`` entries)."""
+    order = torch.sort(chosen_score, dim=-1, descending=True, stable=True).indices
+    return slot.gather(-1, order), chosen.gather(-1, order)
+
+
+def pool_tokens(ends: torch.Tensor, chosen: torch.Tensor, kpool: int) -> torch.Tensor:
+    """int64 ``[..., k * kpool]``: the tokens of each chosen pool (ending at ``ends``), ascending
+    inside a pool, ``-1`` for every token of an unchosen entry."""
+    tok = ends[..., None] - (kpool - 1) + torch.arange(kpool, device=ends.device)
+    return torch.where(chosen[..., None], tok, -1).flatten(-2)
+
+
+def tail_tokens(context: PackedContext, kpool: int) -> torch.Tensor:
+    """int64 ``[batch, local_seq, kpool - 1]``: the tail of each local query ``t``, the tokens of
+    its incomplete pool ``t - n + 1 .. t`` with ``n = (p + 1) % kpool`` (``p`` = document
+    position; empty when ``t`` ends a pool), then ``-1``; all ``-1`` for pad queries."""
+    dev = context.doc_ids.device
+    t = torch.arange(context.seq_start, context.seq_end, device=dev)
+    pos = position_ids_from_doc_ids(context.doc_ids)[:, context.seq_start : context.seq_end]
+    n = torch.where(context.local_valid, (pos + 1) % kpool, 0)  # [b, L]
+    r = torch.arange(kpool - 1, device=dev)
+    tok = (t - n + 1)[..., None] + r
+    return torch.where(r < n[..., None], tok, -1)
+
+
+def doc_lengths(doc_ids: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """int64 ``[batch, length]``: the length of the document (run) of global tokens
+    ``start .. start + length - 1`` (a scatter-add over the replicated map, static shapes).
+
+    >>> doc_lengths(torch.tensor([[1, 1, 1, 2, 0]]), 1, 3).tolist()
+    [[3, 3, 1]]
+    """
+    runs = torch.cumsum(document_starts(doc_ids), 1) - 1  # run number of every token
+    counts = torch.zeros_like(doc_ids).scatter_add(1, runs, torch.ones_like(doc_ids))
+    return counts.gather(1, runs[:, start : start + length])
+
+
+def place_tail(rows: torch.Tensor, tail: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """``cat(rows, -1 * (k - 1))`` with ``tail [..., k - 1]`` written from column ``first``
+    (``[..., 1]``) on; every column it overwrites must hold ``-1`` (unfilled pool slots)."""
+    out = torch.cat([rows, torch.full_like(tail, -1)], -1)
+    return out.scatter(-1, first + torch.arange(tail.shape[-1], device=rows.device), tail)
+
+
+def rank_pools_reference(
+    scores: list[float], robust_zero: list[bool], k: int, tol: float = 1e-4
+) -> tuple[list[int], bool, bool]:
+    """The tie rule for the references (plain Python, one query): ``(chosen, near_tie,
+    exact_tie)``.
+
+    ``scores[j]`` is pool ``j``'s score (pools in ascending position order, all visible);
+    ``chosen`` lists at most ``k`` pools by descending score, equal scores by ascending ``j``.
+    ``near_tie``: two pools whose order matters (adjacent in that order, the first one chosen)
+    score within ``tol`` of each other, so another rounding could order them differently;
+    ``exact_tie``: such a pair is a tie in every precision (both ``robust_zero``: every term
+    of both scores is clamped to exactly 0), decided by the tie rule alone.
+    """
+    order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+    near = exact = False
+    for a, b in zip(order[:k], order[1 : k + 1]):
+        if abs(scores[a] - scores[b]) <= tol * max(1.0, abs(scores[a])):
+            if robust_zero[a] and robust_zero[b]:
+                exact = True
+            else:
+                near = True
+    return order[:k], near, exact

@@ -1,0 +1,103 @@
+"""Qwen3.8-Flash-Next's QSA token selection over packed documents, exact under contiguous CP.
+
+* :mod:`.reference` - the definition (NeMo's ``qsa.py`` per document; float64 per-query loop),
+  the per-token pieces (zero-centred RMSNorm, rotate-half RoPE, RoPE tables) and argument rules;
+* :mod:`.pooled` - the exact static-shape path (``backend="pooled"``, every device).
+
+:func:`qsa_indexer` is the only dispatcher. Its output feeds
+:func:`fcp.ops.index_attention.index_attention` (QSA's attention: GQA, fp32 softmax over the
+selected tokens, an empty selection gives 0; the layer then multiplies by ``sigmoid(gate)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcp.context import PackedContext
+from fcp.ops.common import choose_backend, finite_or_zero
+from fcp.ops.qsa_indexer.pooled import qsa_indexer_pooled
+from fcp.ops.qsa_indexer.reference import (
+    check_qsa_inputs,
+    qsa_indexer_reference,
+    qsa_width,
+    rope_tables,
+    rotate_half_rope,
+    zero_centered_rms_norm,
+)
+
+__all__ = [
+    "BACKENDS",
+    "qsa_indexer",
+    "qsa_indexer_reference",
+    "qsa_width",
+    "rope_tables",
+    "rotate_half_rope",
+    "zero_centered_rms_norm",
+]
+
+#: ``"pooled"``: compressed keys at block ends, all-gathered, scored per query (every device).
+BACKENDS = ("pooled",)
+
+
+def qsa_indexer(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    context: PackedContext,
+    *,
+    budget: int,
+    ratio: int,
+    eps: float = 1e-6,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Global token ids each query attends to, by Qwen3.8-Flash-Next's QSA indexer.
+
+    Args (NeMo's ``Qwen3_8_FlashNextQSAIndexer`` names in brackets):
+        index_q: ``[batch, local_seq, index_heads, Di]``, the raw index queries (the first
+            ``index_heads * Di`` outputs of ``index_qk_proj``).
+        index_k: ``[batch, local_seq, Di]``, the raw index keys (its last ``Di`` outputs; one
+            index KV head).
+        q_norm_weight, k_norm_weight: ``[Di]`` (``q_layernorm.weight``, ``k_layernorm.weight``),
+            zero-centred: the norm multiplies by ``1 + weight``.
+        cos, sin: ``[batch, local_seq, R/2]``, RoPE tables at each token's **document-local**
+            position (NeMo's ``freqs_cis`` is ``cat(cos, sin)``); :func:`rope_tables` of
+            ``context.local_position_ids`` builds them. ``R <= Di``; dims past ``R`` pass
+            through.
+        context: the rank's :class:`~fcp.context.PackedContext`.
+        budget: tokens selected from complete blocks (``indexer_budget``), a multiple of
+            ``ratio``; ``budget // ratio`` blocks per sparse query.
+        ratio: tokens per block (``indexer_compress_ratio``). Blocks start at every document
+            start and may straddle rank boundaries; any local length works.
+        eps: RMSNorm epsilon (``rms_norm_eps``).
+        backend: ``"auto"`` (= ``"pooled"``) or ``"pooled"``.
+
+    Returns:
+        int64 ``[batch, local_seq, budget + ratio - 1]``, valid ids first (NeMo's layout):
+        the tokens of the query's blocks (ascending inside a block; blocks ascending while
+        every visible block fits the budget, i.e. document position
+        ``t < (budget/ratio + 1) * ratio - 1``, else the top ``budget // ratio`` by descending
+        score, equal scores to the earlier block), right after them the tail
+        ``V_t * ratio .. t`` (``V_t = (t + 1) // ratio``), then ``-1`` padding. Ids are global
+        positions; pad queries get all ``-1``. No gradient (NeMo freezes the indexer).
+
+    Guarantees: equals NeMo's ``select_qsa_token_ids`` on each document alone (offset by the
+    document start) wherever its ``torch.topk`` has no tie at the cutoff; bitwise the same under
+    CP and without, and bitwise independent of other documents. Under CP: one ``ratio - 1``
+    token left halo of ``(index_k, cos, sin)`` and one all-gather of ``ceil(local_seq / ratio)``
+    compressed keys per rank. No host synchronisation, static shapes.
+    """
+    name = "qsa_indexer"
+    if not isinstance(context, PackedContext):
+        raise TypeError(f"{name}: context must be a PackedContext, got {type(context).__name__}")
+    check_qsa_inputs(name, index_q, index_k, q_norm_weight, k_norm_weight, cos, sin,
+                     context.batch_size, context.local_seq_len, budget, ratio)  # fmt: skip
+    choose_backend(name, backend, BACKENDS, "pooled")
+    index_q, index_k, q_norm_weight, k_norm_weight, cos, sin = (
+        finite_or_zero(t.detach())
+        for t in (index_q, index_k, q_norm_weight, k_norm_weight, cos, sin)
+    )
+    return qsa_indexer_pooled(index_q, index_k, q_norm_weight, k_norm_weight, cos, sin,
+                              context, budget, ratio, float(eps))  # fmt: skip

@@ -1,0 +1,100 @@
+"""The QSA selection's exact path (``backend="pooled"``, every device), exact under CP.
+
+Each rank builds the compressed key of every block that *ends* in its interval (fp32 mean of
+the ``ratio`` raw keys, cast back, zero-centred RMSNorm, RoPE with the tables of the block's
+first token), from a ``ratio - 1`` token left halo of ``(index_k, cos, sin)`` for blocks that
+start on an earlier rank, compacts them into ``ceil(local / ratio)`` static slots and
+all-gathers the slots: ``[batch, cp_size * slots, Di]`` in ``index_k``'s dtype, ``Di / ratio``
+values per token (NeMo's packed CP path all-gathers the raw index keys and the RoPE tables of
+every token instead). Queries score every slot (one matmul per index head), keep the visible
+blocks of their document and take the top ``budget // ratio`` with fcp's tie rule; queries in
+the dense phase keep every visible block in ascending order, as NeMo does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fcp.context import PackedContext
+from fcp.ops.doc_pools import (
+    all_gather_slots,
+    by_score,
+    local_slots,
+    place_tail,
+    pool_slots,
+    pool_tokens,
+    pool_windows,
+    tail_tokens,
+    top_pools,
+    visible_pools,
+)
+from fcp.ops.qsa_indexer.reference import rotate_half_rope, zero_centered_rms_norm
+
+__all__ = ["compressed_keys", "qsa_indexer_pooled"]
+
+
+def compressed_keys(
+    index_k: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    ends: torch.Tensor,
+    context: PackedContext,
+    ratio: int,
+    eps: float,
+) -> torch.Tensor:
+    """``[batch, C, Di]`` in ``index_k``'s dtype: the compressed key of every local block end
+    (zeros in empty slots)."""
+    di, half = index_k.shape[-1], cos.shape[-1]
+    common = torch.promote_types(index_k.dtype, torch.promote_types(cos.dtype, sin.dtype))
+    parts = [index_k.to(common), cos.to(common), sin.to(common)]
+    window = pool_windows(torch.cat(parts, -1), ends, context, ratio)  # [b, C, ratio, Di + R]
+    k_win = window[..., :di].to(index_k.dtype)  # exact casts back
+    cos0 = window[:, :, 0, di : di + half].to(cos.dtype)  # the block's first token
+    sin0 = window[:, :, 0, di + half :].to(sin.dtype)
+    kbar = k_win.float().mean(2).to(index_k.dtype)
+    keys = rotate_half_rope(zero_centered_rms_norm(kbar, k_norm_weight, eps), cos0, sin0)
+    return torch.where((ends >= 0)[..., None], keys, torch.zeros((), dtype=keys.dtype))
+
+
+def qsa_indexer_pooled(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    context: PackedContext,
+    budget: int,
+    ratio: int,
+    eps: float,
+) -> torch.Tensor:
+    """int64 ``[batch, local_seq, budget + ratio - 1]`` global token ids (see :mod:`.reference`)."""
+    k_blocks = budget // ratio
+    q = rotate_half_rope(
+        zero_centered_rms_norm(index_q, q_norm_weight, eps), cos[:, :, None], sin[:, :, None]
+    )
+    slots = pool_slots(context.doc_ids, ratio, context.cp_size)  # [b, P], replicated
+    ends = local_slots(slots, context, ratio)
+    keys = compressed_keys(index_k, k_norm_weight, cos, sin, ends, context, ratio, eps)
+    keys_t = all_gather_slots(keys, context).float().transpose(1, 2)  # [b, Di, P]
+    qf = q.float()
+    score = None
+    for h in range(qf.shape[2]):  # one [local, P] matmul per head bounds the memory
+        term = torch.relu(torch.matmul(qf[:, :, h], keys_t))
+        score = term if score is None else score + term
+    score = score / math.sqrt(q.shape[-1])
+    slot, chosen, chosen_score = top_pools(score, visible_pools(slots, context), k_blocks)
+    ranked, ranked_ok = by_score(slot, chosen, chosen_score)
+    # dense phase (every visible block fits the budget): ascending blocks, as NeMo emits them
+    pos = context.local_position_ids
+    dense = ((pos + 1) // ratio <= k_blocks)[..., None]
+    slot, chosen = torch.where(dense, slot, ranked), torch.where(dense, chosen, ranked_ok)
+    block_end = slots.gather(1, slot.flatten(1)).view_as(slot)
+    rows = pool_tokens(block_end, chosen, ratio)
+    if ratio > 1:  # the tail right after the chosen blocks: valid ids first, as NeMo lays out
+        first = chosen.sum(-1, keepdim=True) * ratio
+        rows = place_tail(rows, tail_tokens(context, ratio), first)
+    return rows
