@@ -1,0 +1,143 @@
+"""transformers' own models run on each document alone: the oracle of fcp's integrations.
+
+transformers binds its hybrid models' recurrent kernels to FLA's Triton kernels whenever FLA is
+importable, and those fail on a CPU; with FLA blocked (``sys.modules["fla"] = None`` before
+transformers is imported) it uses its pure-PyTorch fallbacks. Blocking is process-wide, so the
+reference runs in a fresh subprocess: ``python -m tests.support.hf_reference IN OUT``.
+
+:func:`per_document` (called from the test process) writes the job, runs the subprocess, and
+returns for every document its output (``last_hidden_state`` ``[n, hidden]``) and the gradient
+of ``sum(output * cotangent)`` for every parameter.
+
+Ties. GLM-5.3-Flash's indexer takes ``torch.topk`` of scores with a ``relu`` inside, so equal
+scores (often exact zeros) at the selection boundary are common, and ``torch.topk`` leaves their
+order unspecified. fcp's rule is documented: equal scores go to the earlier pool. The reference
+therefore runs the indexer with that rule (a stable descending sort in place of ``topk``, only
+inside the indexer's forward) and reports how many query rows the rule decided, i.e. where
+transformers' own ``topk`` picked a different, equally valid set.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: The issue's tiny GLM-5.3-Flash: well under a second per forward on a CPU.
+GLM5_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                 num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                 kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=8,
+                 v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                 index_topk=8, index_head_dim=8, index_n_heads=2, index_kpool=4,
+                 linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4, hc_mult=2,
+                 hc_sinkhorn_iters=3, pad_token_id=0)  # fmt: skip
+
+#: Parameters whose default initialisation makes terms of the formulas vanish (all-ones gates,
+#: zero positional terms): the tests perturb them so every term matters.
+_PERTURB = ("index_kpool_compress", "k_norm", "A_log", "dt_bias", "o_norm", "layernorm",
+            "attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale", "conv1d")  # fmt: skip
+
+
+def build(family: str, config: dict, seed: int = 0):
+    """A randomly initialised fp32 backbone of ``family`` (``"glm5_next"``), eval mode."""
+    if family != "glm5_next":
+        raise ValueError(f"unknown family {family!r}")
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+    torch.manual_seed(seed)
+    cfg = Glm5NextTextConfig(**config)
+    cfg._attn_implementation = "eager"
+    model = Glm5NextTextModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(s in name for s in _PERTURB):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
+    """``Tensor.topk`` whose equal values go to the lower index (a stable sort)."""
+    order = torch.sort(self, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+    return torch.return_types.topk((self.gather(dim, order), order))
+
+
+def _indexer_selections(model, tie_rule: bool) -> list:
+    """Record every indexer output of ``model``; with ``tie_rule``, its ``topk`` breaks ties by
+    the earlier pool (only while an indexer runs)."""
+    selections, original = [], torch.Tensor.topk
+
+    def pre(module, args, kwargs):
+        if tie_rule:
+            torch.Tensor.topk = _stable_topk
+
+    def post(module, args, kwargs, out):
+        torch.Tensor.topk = original
+        selections.append(out)
+
+    for m in model.modules():
+        if type(m).__name__.endswith("Indexer"):
+            m.register_forward_pre_hook(pre, with_kwargs=True)
+            m.register_forward_hook(post, with_kwargs=True)
+    return selections
+
+
+def _run(job: dict) -> dict:
+    model, plain = (build(job["family"], job["config"], job["seed"]) for _ in range(2))
+    model.load_state_dict(job["state_dict"])
+    plain.load_state_dict(job["state_dict"])
+    ours, theirs = _indexer_selections(model, True), _indexer_selections(plain, False)
+    outs, grads = [], []
+    for ids, cot in zip(job["documents"], job["cotangents"]):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+        (out * cot).sum().backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        with torch.no_grad():
+            plain(input_ids=ids[None], use_cache=False)
+    # rows where transformers' own topk picked another (equally valid) set among tied scores
+    tie_rows = sum(set(a.tolist()) - {-1} != set(b.tolist()) - {-1}
+                   for sel_a, sel_b in zip(ours, theirs) for a, b in zip(sel_a[0], sel_b[0]))
+    # fcp's replacement modules without a cp_context run transformers' own code
+    from fcp.integrations.hf import enable_packed_cp
+
+    with torch.no_grad():
+        ids = job["documents"][0][None]
+        before = plain(input_ids=ids, use_cache=False).last_hidden_state
+        after = enable_packed_cp(plain)(input_ids=ids, use_cache=False).last_hidden_state
+    return {"outputs": outs, "grads": grads, "tie_rows": int(tie_rows),
+            "indexed_rows": sum(s.shape[1] for s in ours),
+            "no_context_max_diff": float((before - after).abs().max())}
+
+
+def per_document(family: str, config: dict, state_dict: dict, documents: list, cotangents: list,
+                 seed: int = 0) -> dict:  # fmt: skip
+    """Run transformers' model on each document alone in a subprocess with FLA blocked.
+
+    ``documents``: int64 ``[n_i]`` token ids; ``cotangents``: ``[n_i, hidden]``.
+    Returns ``{"outputs": [[n_i, hidden]], "grads": [{param name: gradient}] (one per
+    document), "tie_rows", "indexed_rows", "no_context_max_diff"}`` (the last: how far
+    ``enable_packed_cp(model)`` without a ``cp_context`` is from the original, on document 0).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = os.path.join(tmp, "in.pt"), os.path.join(tmp, "out.pt")
+        torch.save(dict(family=family, config=config, state_dict=state_dict, seed=seed,
+                        documents=documents, cotangents=cotangents), src)  # fmt: skip
+        proc = subprocess.run([sys.executable, "-m", "tests.support.hf_reference", src, dst],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+        if proc.returncode:
+            raise RuntimeError(f"reference subprocess failed:\n{proc.stderr[-4000:]}")
+        return torch.load(dst, weights_only=False)
+
+
+if __name__ == "__main__":
+    sys.modules["fla"] = None  # transformers' pure-PyTorch fallbacks (FLA's kernels need a GPU)
+    torch.set_num_threads(1)
+    torch.save(_run(torch.load(sys.argv[1], weights_only=False)), sys.argv[2])
