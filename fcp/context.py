@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -84,9 +84,6 @@ class PackedContext:
     seq_start: int | None = None
     local_seq_len: int | None = None
     original_seq_len: int | None = None
-    # Host-side memo of planning results (segment boundaries, FLA contexts): planning runs once
-    # per batch, not once per layer. Not part of equality, hashing or the pytree.
-    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         d = self.doc_ids
@@ -134,6 +131,10 @@ class PackedContext:
                 )
         if has_data(d):
             validate_doc_ids(d)
+        # Host-side memo of planning results (segment boundaries, FLA contexts): planning runs
+        # once per batch, not once per layer. Not a field (FSDP's input cast rebuilds dataclasses
+        # with dataclasses.replace over their fields), so not in equality, hashing or the pytree.
+        object.__setattr__(self, "_memo", {})
 
     # ------------------------------------------------------------------ static facts
     @property

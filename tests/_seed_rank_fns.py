@@ -1,11 +1,22 @@
-"""Functions run on pool ranks by the seed-adapter tests (importable by module path)."""
+"""Functions run on pool ranks by the seed-adapter tests: fcp's adapters next to NeMo AutoModel's
+cp modules on the same real gloo group (importable by module path)."""
 
 from __future__ import annotations
 
 import torch
 
+from fcp.comm import all_gather_sequence
+from fcp.layout import doc_ids_from_cu_seqlens
 from fcp.models.glm5_next import cp as glm
 from fcp.models.qwen3_8_flash_next import cp as qwen
+from tests.support.nemo_diff import (
+    assert_same,
+    batch_untouched,
+    check,
+    describe,
+    nemo_modules,
+    outcome,
+)
 
 
 def _slice(full: torch.Tensor, env, dim: int = 1) -> torch.Tensor:
@@ -13,147 +24,151 @@ def _slice(full: torch.Tensor, env, dim: int = 1) -> torch.Tensor:
     return full.narrow(dim, env.rank * n, n)
 
 
-# ---------------------------------------------------------------------------------- GLM-5.3
-def glm_shard(env, batch: dict, shard_primary: bool, loss_mask):
+# ---------------------------------------------------------------------------------- sharders
+def shard_diff(env, model: str, case, kwargs: dict) -> str:
+    """Both sharders on this rank's real mesh; the contract of ``tests.support.nemo_diff.check``."""
     mesh = env.mesh()
-    factory, local, layout = glm.shard_batch_for_glm5_next_cp(
-        mesh, None, batch, loss_mask=loss_mask, padding_token_id=99, shard_primary=shard_primary
-    )
-    with factory():
-        pass
-    ctx = local.pop("cp_context")
-    core = layout.to_packed_context(mesh)
-    return {
-        "local": local,
-        "ctx": (type(ctx).__name__, ctx.cp_size, ctx.cp_rank, ctx.interval, ctx.original_seq_len),
-        "ctx_doc_ids": ctx.doc_ids,
-        "layout": (type(layout).__name__, layout.seq_start, layout.cp_size, layout.local_seq_len,
-                   layout.original_seq_len, layout.cp_enabled),
-        "layout_local_doc_ids": layout.local_doc_ids,
-        "layout_row0": layout.row_cu_seqlens(0),
-        "core_is_ctx": core is ctx,
-        "memo_shared": layout.row_cu_seqlens(0)[1] is ctx.row_cu_seqlens(0)[1],
-        "batch_after": batch,
-    }
+    nemo_glm, nemo_qwen = nemo_modules()
+    ours, theirs = (glm, nemo_glm) if model == "glm" else (qwen, nemo_qwen)
+    name = "shard_batch_for_" + ("glm5_next_cp" if model == "glm" else "qwen3_8_flash_next_cp")
+    n = outcome(getattr(theirs, name), mesh, None, share=(mesh,), **kwargs)
+    f = outcome(getattr(ours, name), mesh, None, share=(mesh,), **kwargs)
+    verdict = check(n, f, ours.__doc__, case, what=f"rank {env.rank} {name}")
+    if f.error is not None:
+        batch_untouched(kwargs["batch"], f.kwargs["batch"])
+    if f.error is None:  # fcp's view of the context works with fcp's collectives
+        if model == "glm":
+            core = f.value[1]["glm5_next_packed_context"].to_packed_context(mesh)
+        else:
+            ctx = f.value[1]["_qwen3_8_flash_next_cp_context"]
+            core = ctx.packed_context
+            if ctx.global_cu_seqlens is not None:  # compile-safe map == the core's host map
+                want = doc_ids_from_cu_seqlens(ctx.global_cu_seqlens, core.global_seq_len)
+                assert torch.equal(core.doc_ids, want), (core.doc_ids, want)
+        assert (core.cp_rank, core.cp_size) == (env.rank, env.world_size)
+        assert torch.equal(all_gather_sequence(core.local_doc_ids, core), core.doc_ids)
+    return verdict
 
 
-def glm_gather_grad(env, full: torch.Tensor, use_function: bool):
-    x = _slice(full, env).clone().requires_grad_()
-    if use_function:
-        g = glm._AllGatherSequence.apply(x, env.group, 1)
-    else:
-        g = glm.all_gather_sequence(x, env.group, 1)
-    w = torch.arange(g.numel(), dtype=g.dtype).view_as(g)
-    (g * w).sum().backward()
-    return g, x.grad
+# ---------------------------------------------------------------------------------- GLM-5.3
+def glm_gather_diff(env, full: torch.Tensor, dim: int, use_function: bool):
+    """NeMo's and fcp's gathers: values and gradients (integer-valued, so sums are exact)."""
+    nemo_glm, _ = nemo_modules()
+    out = []
+    for mod in (nemo_glm, glm):
+        x = _slice(full, env, dim % full.dim()).clone().requires_grad_()
+        if use_function:
+            g = mod._AllGatherSequence.apply(x, env.group, dim)
+        else:
+            g = mod.all_gather_sequence(x, env.group, dim=dim)
+        w = torch.arange(g.numel(), dtype=g.dtype).view_as(g) * (env.rank + 1)
+        (g * w).sum().backward()
+        out.append((g.detach(), x.grad))
+        ints = _slice(full, env, dim % full.dim()).long()
+        out.append(mod.all_gather_sequence(ints, env.group, dim=dim))
+    assert_same(out[:2], out[2:], "all_gather_sequence")
+    return describe(out[2:])
 
 
-def glm_anchor(env, full: torch.Tensor):
-    """Rank 0's loss ignores the gather; the anchor keeps it in the backward reduce-scatter."""
-    x = _slice(full, env).clone().requires_grad_()
-    g = glm.all_gather_sequence(x, env.group)
-    w = torch.arange(g.numel(), dtype=g.dtype).view_as(g)
-    if env.rank == 0:
-        anchor = glm.all_gather_backward_anchor(g)
-        loss = x.sum() + anchor
-    else:
-        anchor = None
-        loss = (g * w).sum()
-    loss.backward()
-    return anchor, x.grad
+def glm_anchor_diff(env, full: torch.Tensor):
+    """Rank 0's loss ignores the gather but for the anchor: both keep it in the backward."""
+    nemo_glm, _ = nemo_modules()
+    out = []
+    for mod in (nemo_glm, glm):
+        x = _slice(full, env).clone().requires_grad_()
+        g = mod.all_gather_sequence(x, env.group)
+        anchor = mod.all_gather_backward_anchor(g)
+        if env.rank == 0:
+            loss = (x * 2).sum() + anchor.sum()
+        else:
+            loss = (g * torch.arange(g.numel(), dtype=g.dtype).view_as(g)).sum() + anchor.sum()
+        loss.backward()
+        out.append((anchor.detach(), anchor.requires_grad, x.grad))
+    assert_same(out[0], out[1], "all_gather_backward_anchor")
+    return describe(out[1])
+
+
+def glm_fla_diff(env, doc_ids: torch.Tensor, conv: int):
+    """``build_fla_cp_context`` of every row: FLA's own builder (NeMo) versus fcp's planner."""
+    nemo_glm, _ = nemo_modules()
+    local = doc_ids.shape[1] // env.world_size
+    kw = dict(seq_start=env.rank * local, cp_size=env.world_size, original_seq_len=None)
+    theirs = nemo_glm.Glm5NextPackedContext(doc_ids.to(torch.int32), **kw)
+    ours = glm.Glm5NextPackedContext(doc_ids.to(torch.int32), **kw)
+    fields = ("cu_seqlens", "cu_seqlens_cpu", "is_last_rank", "pre_num_ranks", "is_first_rank",
+              "post_num_ranks", "conv1d_kernel_size", "pre_num_conv_tokens", "layout")  # fmt: skip
+    result = []
+    for row in range(doc_ids.shape[0]):
+        n = nemo_glm.build_fla_cp_context(theirs, row, env.group, conv)
+        f = glm.build_fla_cp_context(ours, row, env.group, conv)
+        assert n.group is f.group is env.group
+        assert_same({k: getattr(n, k) for k in fields}, {k: getattr(f, k) for k in fields},
+                    f"FLACPContext row {row}")  # fmt: skip
+        result.append({k: getattr(f, k) for k in fields})
+    return describe(result)
 
 
 # ---------------------------------------------------------------------------------- Qwen3.8
-def _ctx_fields(ctx):
-    return {
-        "group_is_none": ctx.group is None,
-        "rank": ctx.rank,
-        "size": ctx.size,
-        "global_input_ids": ctx.global_input_ids,
-        "global_padding_mask": ctx.global_padding_mask,
-        "start": ctx.local_sequence_start,
-        "length": ctx.local_sequence_length,
-        "end": ctx.local_sequence_end,
-        "cu": ctx.global_cu_seqlens,
-        "global_sequence_length": ctx.global_sequence_length,
-        "global_sequence_lengths": ctx.global_sequence_lengths,
-    }
-
-
-def qwen_shard(env, batch: dict, pad_multiple: int):
+def _contexts(env, nemo_qwen, seq_len: int, pad_multiple: int):
+    batch = {"input_ids": torch.zeros(1, seq_len, dtype=torch.long),
+             "labels": torch.zeros(1, seq_len, dtype=torch.long)}  # fmt: skip
     mesh = env.mesh()
-    factory, local, layout = qwen.shard_batch_for_qwen3_8_flash_next_cp(
-        mesh, None, batch, pad_multiple=pad_multiple
-    )
-    ctx = local.pop("cp_context")
-    return {
-        "local": local,
-        "ctx": _ctx_fields(ctx),
-        "packed_doc_ids": ctx.packed_context.doc_ids,
-        "packed": (ctx.packed_context.cp_rank, ctx.packed_context.interval),
-        "layout": (type(layout).__name__, layout.cp_size, layout.cp_rank, layout.interval,
-                   layout.original_seq_len),
-        "layout_doc_ids": layout.doc_ids,
-        "gathered_ids": qwen.qwen3_8_flash_next_cp_all_gather(
-            local["input_ids"], ctx, differentiable=False
-        ),
-        "batch_after": batch,
-    }
-
-
-def _qwen_ctx(env, seq_len: int, pad_multiple: int):
-    batch = {"input_ids": torch.zeros(1, seq_len, dtype=torch.long)}
-    _, local, _ = qwen.shard_batch_for_qwen3_8_flash_next_cp(
-        env.group, None, batch, pad_multiple=pad_multiple
-    )
-    return local["cp_context"]
-
-
-def qwen_gather(env, full: torch.Tensor):
-    """Float gather with gradient, a compressed (1/4) stream, another sequence_dim, a bad shard."""
-    ctx = _qwen_ctx(env, full.shape[1], 4)
-    x = _slice(full, env).clone().requires_grad_()
-    g = qwen.qwen3_8_flash_next_cp_all_gather(x, ctx)
-    w = torch.arange(g.numel(), dtype=g.dtype).view_as(g)
-    (g * w).sum().backward()
-    compressed = x.detach().unflatten(1, (-1, 4)).sum(2)
-    g_comp = qwen.qwen3_8_flash_next_cp_all_gather(compressed, ctx)
-    g_dim2 = qwen.qwen3_8_flash_next_cp_all_gather(
-        x.detach().transpose(1, 2), ctx, sequence_dim=2
-    )
-    try:
-        qwen.qwen3_8_flash_next_cp_all_gather(x.detach()[:, :3], ctx)
-        bad = None
-    except ValueError as err:
-        bad = str(err)
-    return g.detach(), x.grad, g_comp, g_dim2, bad
-
-
-def qwen_halo(env, full: torch.Tensor, history: int):
-    ctx = _qwen_ctx(env, full.shape[1], 1)
-    x = _slice(full, env).clone().requires_grad_()
-    halo = qwen.qwen3_8_flash_next_cp_left_halo(x, ctx, history)
-    halo.sum().backward()
-    return halo, x.grad
-
-
-def qwen_context_errors(env):
-    """Contexts whose size / rank disagree with the real group are rejected on every rank."""
-    ids = torch.zeros(1, 4, dtype=torch.long)
-    mask = torch.ones(1, 4, dtype=torch.bool)
-    cases = {
-        "size": dict(rank=0, size=1, local_sequence_start=0, local_sequence_length=4),
-        "rank": dict(rank=1 - env.rank, size=2, local_sequence_start=2 * (1 - env.rank),
-                     local_sequence_length=2),
-    }
-    out = {}
-    for name, kwargs in cases.items():
-        try:
-            qwen.Qwen3_8_FlashNextCPContext(env.group, global_input_ids=ids,
-                                            global_padding_mask=mask, **kwargs)
-            out[name] = None
-        except ValueError as err:
-            out[name] = str(err)
-    ok = qwen.Qwen3_8_FlashNextCPContext(env.group, env.rank, 2, ids, mask, 2 * env.rank, 2)
-    out["ok"] = (ok.packed_context.cp_size, ok.packed_context.cp_rank, ok.local_sequence_end)
+    out = []
+    for mod in (nemo_qwen, qwen):
+        _, local, _ = mod.shard_batch_for_qwen3_8_flash_next_cp(
+            mesh, None, dict(batch), pad_multiple=pad_multiple
+        )
+        out.append(local["_qwen3_8_flash_next_cp_context"])
     return out
+
+
+def qwen_gather_diff(env, full: torch.Tensor, dim: int, differentiable: bool, compress: int):
+    """All-gathers of a (compressed) local stream: values, ``requires_grad`` and gradients."""
+    _, nemo_qwen = nemo_modules()
+    contexts = _contexts(env, nemo_qwen, full.shape[1] * compress, 2)
+    out = []
+    for mod, ctx in zip((nemo_qwen, qwen), contexts):
+        x = _slice(full, env).clone().requires_grad_()
+        src = x.movedim(1, dim % full.dim())
+        g = mod.qwen3_8_flash_next_cp_all_gather(src, ctx, sequence_dim=dim,
+                                                 differentiable=differentiable)  # fmt: skip
+        grad = None
+        if g.requires_grad:
+            w = torch.arange(g.numel(), dtype=g.dtype).view_as(g) * (env.rank + 1)
+            (g * w).sum().backward()
+            grad = x.grad
+        out.append((g.detach(), g.requires_grad, grad))
+    assert_same(out[0], out[1], "qwen3_8_flash_next_cp_all_gather")
+    return describe(out[1])
+
+
+def qwen_halo_diff(env, full: torch.Tensor, history: int):
+    """Left halos of every rank: values, shape and gradients back to the owning ranks."""
+    _, nemo_qwen = nemo_modules()
+    contexts = _contexts(env, nemo_qwen, full.shape[1], 2)
+    out = []
+    for mod, ctx in zip((nemo_qwen, qwen), contexts):
+        x = _slice(full, env).clone().requires_grad_()
+        halo = mod.qwen3_8_flash_next_cp_left_halo(x, ctx, history=history)
+        grad = None
+        if halo.requires_grad:
+            w = torch.arange(halo.numel(), dtype=halo.dtype).view_as(halo) + env.rank
+            (halo * w).sum().backward()
+            grad = x.grad
+        out.append((halo.detach(), grad))
+    assert_same(out[0], out[1], "qwen3_8_flash_next_cp_left_halo")
+    return describe(out[1])
+
+
+def qwen_context_diff(env, case, kwargs: dict) -> str:
+    """Context construction on the real group: rank 0's fields shifted to this rank."""
+    _, nemo_qwen = nemo_modules()
+    kwargs = dict(kwargs)
+    local = kwargs["global_input_ids"].shape[1] // env.world_size
+    kwargs["rank"] = kwargs["rank"] + env.rank
+    kwargs["local_sequence_start"] = kwargs["local_sequence_start"] + env.rank * local
+    if kwargs.get("group") == "group":
+        kwargs["group"] = env.group
+    n = outcome(nemo_qwen.Qwen3_8_FlashNextCPContext, share=(env.group,), **kwargs)
+    f = outcome(qwen.Qwen3_8_FlashNextCPContext, share=(env.group,), **kwargs)
+    return check(n, f, qwen.__doc__, case, compare_args=False, what=f"rank {env.rank} context")

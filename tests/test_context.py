@@ -160,3 +160,14 @@ def test_rebuilding_from_traced_leaves_does_not_revalidate():
         fake = mode.from_tensor(leaves[0])
         again = pytree.tree_unflatten([fake], spec)
     assert again.cp_rank == 1 and again.local_seq_len == 3
+
+
+def test_dataclasses_replace_over_all_fields_works():
+    """FSDP2's mixed-precision input cast rebuilds dataclasses in model kwargs with
+    ``dataclasses.replace(obj, **{every field})``: the memo must not be a field."""
+    import dataclasses
+
+    ctx = _ctx(1)
+    ctx.row_cu_seqlens(0)
+    again = dataclasses.replace(ctx, **{f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)})
+    assert again == ctx and again.memo("k", lambda: 1) == 1 and "k" not in ctx._memo

@@ -1,98 +1,225 @@
-"""Contiguous packed context parallelism for GLM-5.3-Flash: seed adapter.
+"""Contiguous packed context parallelism for GLM-5.3-Flash: drop-in for NeMo AutoModel 0.7.0.
 
-This is the API of ``nemo_automodel.components.models.glm5_next.cp`` on top of fcp's generic
-core. Kimi Delta Attention carries recurrent and short-convolution state from left to right, so
-the generic load-balanced CP permutation is not valid: one contiguous token interval per CP rank
-and one replicated global document-id map, consumed by both KDA and KPool-DSA.
+Kimi Delta Attention carries recurrent and short-convolution state from left to right, so the
+generic load-balanced CP permutation is not valid: one contiguous token interval per CP rank and
+one replicated global document-id map, consumed by both KDA and KPool-DSA.
 
-Every name is a thin adapter; nothing is implemented twice:
+This module is ``nemo_automodel.components.models.glm5_next.cp`` on top of fcp's generic core::
+
+    from fcp.models.glm5_next import cp   # instead of nemo_automodel.components.models.glm5_next
+
+Every name keeps NeMo's signature, return types, dtypes, batch keys and in-place mutation on every
+valid input; the work is fcp's:
 
 =============================== ===============================================================
 seed name                       delegates to
 =============================== ===============================================================
 ``Glm5NextPackedContext``       :class:`fcp.context.PackedContext` (``to_packed_context``)
-``_AllGatherSequence``          :func:`fcp.comm.all_gather_sequence` (forward and backward)
-``_AllGatherBackwardAnchor``    ``fcp.comm._BackwardAnchor`` (alias)
-``all_gather_sequence``         :func:`fcp.comm.all_gather_sequence`
-``all_gather_backward_anchor``  :func:`fcp.comm.all_gather_backward_anchor`
-``build_fla_cp_context``        ``fcp.ops.fla_support.build_fla_cp_context`` (lazy: FLA)
-``doc_ids_from_cu_seqlens``     :func:`fcp.layout.doc_ids_from_cu_seqlens`
-``doc_ids_from_seq_lens``       :func:`fcp.layout.doc_ids_from_seq_lens`
-``segment_cu_seqlens``          :func:`fcp.layout.segment_cu_seqlens`
-``shard_batch_for_glm5_next_cp`` :func:`fcp.shard.shard_batch` (``pad_multiple=1``)
-``_global_doc_ids_from_batch``  :func:`fcp.shard.global_doc_ids_from_batch`
-``_normalize_batch_axis``       :func:`fcp.shard.normalize_batch_axis` (returns a new batch)
-``_pad_sequence_dim``           :func:`fcp.shard.pad_sequence_dim` (``dim=1``)
-``_PAD_DOC_ID``                 :data:`fcp.layout.PAD_DOC_ID` (``0``)
+``all_gather_sequence``         :func:`fcp.comm.all_gather_sequence` (funcol, compile-safe)
+``all_gather_backward_anchor``  :func:`fcp.comm.all_gather_backward_anchor`, shaped ``(B, 1, 1)``
+``build_fla_cp_context``        ``fcp.ops.fla_support.build_fla_cp_context`` (FLA imported lazily)
+``doc_ids_from_cu_seqlens``     :func:`fcp.layout.doc_ids_from_cu_seqlens`, NeMo's numbering
+``doc_ids_from_seq_lens``       :func:`fcp.layout.doc_ids_from_seq_lens`, NeMo's numbering
+``segment_cu_seqlens``          :func:`fcp.layout.segment_cu_seqlens` (int32 like NeMo)
+``shard_batch_for_glm5_next_cp`` :func:`fcp.shard.shard_batch` (validation, padding, slicing)
+``_pad_sequence_dim``           :func:`fcp.shard.pad_sequence_dim`
 =============================== ===============================================================
 
-Differences from the seed, all deliberate:
+NeMo's contract, kept: the sharder **mutates** ``batch`` and returns it with NeMo's keys
+(``glm5_next_packed_context``, local ``labels`` / ``position_ids`` / ``padding_mask`` with True =
+pad, ``input_ids`` full and unpadded unless ``shard_primary``), and returns NeMo's
+``ShardLayout(original_seq_len, padded_seq_len)`` third (NeMo's class when importable). Document
+ids come from ``_packed_seq_ids``, a 2-D ``attention_mask`` (binary or indexed), then
+``seq_lens_padded`` / ``seq_lens``, then ``cu_seqlens``, then ``padding_mask``; the NeMo-visible
+map is int32 and numbers documents as NeMo does (a zero-length document still uses an id).
+Position ids default to one global ``arange`` padded with 0. Documents are the runs of equal
+non-zero ids; fcp's core sees them renumbered 1, 2, ... as int64 (``to_packed_context``).
 
-* fcp never mutates a batch. ``shard_batch_for_glm5_next_cp`` returns a **new** local batch and
-  ``_normalize_batch_axis`` returns a new batch (the seed mutated in place and returned ``None``).
-* The local batch carries this rank's :class:`~fcp.context.PackedContext` under the key
-  ``"cp_context"``, so ``model(**local_batch)`` hands it to the layers (fcp's operators take it
-  directly). The third return value is the :class:`Glm5NextPackedContext` layout, as in the seed.
-* Collectives are funcol-based (``torch.distributed._functional_collectives``): they trace under
-  ``torch.compile(fullgraph=True)`` and never synchronise with the host. The seed's
-  ``torch.autograd.Function`` classes are kept for compatibility only; prefer the functions.
+``Glm5NextPackedContext`` is, like NeMo's, a **mutable**, unhashable dataclass whose memo
+``_cu_seqlens`` is an ``__init__`` field: NeMo's model code builds it per forward and FSDP's
+mixed-precision hook rebuilds it with ``dataclasses.replace`` (every field passed back to
+``__init__``), so it may hold no ``init=False`` field and no other dataclass. It is therefore not a
+pytree: fcp's compiled code takes ``context.to_packed_context(group)``, the frozen pytree
+:class:`~fcp.context.PackedContext` (memoised per group outside the dataclass fields; assigning a
+field drops that memo). Its constructor checks shapes and types only (no host sync) and accepts
+any map NeMo's model builds, left padding included; ``to_packed_context`` validates the values.
+
+Stricter than NeMo (NeMo silently accepts these, or fails later or with another exception; fcp
+raises ``ValueError`` / ``TypeError`` naming the argument and value, before any collective and
+before touching the batch):
+
+* ``[non-tensor]`` a list or other non-tensor where a tensor is expected (``seq_lens``,
+  ``seq_lens_padded``, ``cu_seqlens``, ``_packed_seq_ids``, ``attention_mask``,
+  ``padding_mask``, ``labels``, ``position_ids``, ``loss_mask``, ``doc_ids_row``): NeMo ignores it
+  or raises ``AttributeError``.
+* ``[dtype]`` float or bool ``seq_lens`` / ``cu_seqlens`` / ``doc_ids_row`` (NeMo truncates
+  floats and counts True as 1), and negative or non-integral values in ``_packed_seq_ids`` or a
+  2-D ``attention_mask`` (NeMo truncates them).
+* ``[seq-lens]`` ``seq_lens`` whose row sums exceed ``seq_len`` (NeMo truncates the last
+  document), negative lengths other than the sentinel (NeMo skips them), a sentinel before a
+  real length (NeMo drops it), a non-negative ``padding_value``, more than two dims.
+* ``[cu-seqlens]`` ``cu_seqlens`` not starting at 0, decreasing, ending after ``seq_len``
+  (NeMo truncates), with a negative entry before a real one (NeMo drops negatives anywhere;
+  a trailing run of negative fill values is accepted), with fewer than two real entries (NeMo
+  returns one document over the whole row), or with more than one row (NeMo flattens rows).
+* ``[segment-row]`` ``segment_cu_seqlens`` of a tensor that is not 1-D (NeMo compares along
+  dim 0 and flattens).
+* ``[pad-tail]`` a sharded document map with padding (id 0) before a real token, i.e. left or
+  interior padding: fcp's map has pad only as a right tail. ``Glm5NextPackedContext`` itself
+  accepts such maps (NeMo's non-CP forward builds them); its ``to_packed_context`` raises.
+* ``[rows]`` a document source or token stream whose rows or length differ from ``input_ids``:
+  ``cu_seqlens`` or 1-D ``seq_lens`` with batch > 1, a short ``_packed_seq_ids``, a
+  wrong-length ``padding_mask`` / ``labels`` / ``position_ids`` / ``loss_mask`` (NeMo leaves
+  those unpadded and unsliced, or fails inside ``masked_fill``), 3-D position ids.
+* ``[mask-dims]`` an ``attention_mask`` that is not 2-D (NeMo ignores a 4-D mask as a document
+  source, possibly dropping its packing).
+* ``[seq-lens-padded-none]`` ``seq_lens_padded: None`` next to a ``seq_lens`` tensor (NeMo then
+  ignores ``seq_lens``).
+* ``[empty]`` an empty sequence (``input_ids.shape[1] == 0``) or ``input_ids`` that is not an
+  integer tensor of rank 1 or 2.
+* ``[mesh]`` a ``cp_mesh`` that is not ``None``, a ``ProcessGroup`` or a 1-D ``DeviceMesh``
+  (NeMo takes any object with ``size()`` / ``get_local_rank()``), a non-int
+  ``padding_token_id`` or non-bool ``shard_primary``.
+* ``[context]`` ``Glm5NextPackedContext`` whose ``doc_ids`` is not a 2-D integer tensor, whose
+  length is not a multiple of ``cp_size``, whose ``seq_start`` is not ``rank * local_seq_len``,
+  or whose ``original_seq_len`` is outside ``[0, padded length]`` (NeMo floor-divides).
+* ``[row]`` ``row_cu_seqlens`` / ``build_fla_cp_context`` with a non-int row (an out-of-range row
+  raises ``IndexError``, as in NeMo).
+* ``[group]`` ``build_fla_cp_context`` / ``to_packed_context`` with a group whose size is not
+  ``cp_size`` or whose rank does not own ``seq_start`` (NeMo lets FLA plan another layout).
+* ``[gather-shapes]`` ``all_gather_sequence`` of shards whose shapes differ between ranks (every
+  rank raises instead of a gloo error or hang).
+
+Kept from NeMo on purpose: ``padding_value`` is keyword-only; ``cp_group=None`` in the gathers means
+the default process group (``ValueError`` when none is initialised); an out-of-range row raises
+``IndexError``; FLA missing makes ``build_fla_cp_context`` raise ``RuntimeError``. Not provided:
+NeMo's private FLA probe ``_FLA_CP_AVAILABLE`` / ``_build_cp_context`` (fcp imports FLA lazily).
 """
 
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
+import operator
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from fcp.comm import all_gather_backward_anchor, dependent_zeros
-from fcp.comm import all_gather_sequence as _fcp_all_gather_sequence
+from fcp.comm import all_gather_backward_anchor as core_backward_anchor
+from fcp.comm import all_gather_sequence as core_all_gather_sequence
+from fcp.comm import dependent_zeros
 from fcp.context import PackedContext
-from fcp.groups import mesh_size, resolve_group
-from fcp.pytree import register_frozen_pytree
+from fcp.groups import resolve_group
 from fcp.layout import (
     PAD_DOC_ID,
-    doc_ids_from_cu_seqlens,
-    doc_ids_from_seq_lens,
-    segment_cu_seqlens,
+    SEQ_LENS_SENTINEL,
+    document_starts,
+    validate_right_tail_mask,
 )
-from fcp.shard import global_doc_ids_from_batch, normalize_batch_axis, pad_sequence_dim, shard_batch
+from fcp.layout import doc_ids_from_cu_seqlens as core_doc_ids_from_cu_seqlens
+from fcp.layout import doc_ids_from_seq_lens as core_doc_ids_from_seq_lens
+from fcp.layout import segment_cu_seqlens as core_segment_cu_seqlens
+from fcp.models.compat import MissingBatchKeyError, shard_layout, shard_layout_class
+from fcp.shard import pad_sequence_dim, shard_batch
 
-__all__ = [
-    "Glm5NextPackedContext",
-    "all_gather_backward_anchor",
-    "all_gather_sequence",
-    "build_fla_cp_context",
-    "doc_ids_from_cu_seqlens",
-    "doc_ids_from_seq_lens",
-    "segment_cu_seqlens",
-    "shard_batch_for_glm5_next_cp",
-]
-
-#: Document id of padding tokens (fcp's :data:`~fcp.layout.PAD_DOC_ID`).
+#: Document id of padding tokens.
 _PAD_DOC_ID = PAD_DOC_ID
-#: Key of the per-forward :class:`~fcp.context.PackedContext` in the sharded local batch.
-_CP_CONTEXT_KEY = "cp_context"
+#: Batch key of the global layout, read by NeMo's GLM model code.
+_CONTEXT_KEY = "glm5_next_packed_context"
+#: Keys a THD collater gives as ``[sequence]`` rows; ``_normalize_batch_axis`` adds the batch axis.
+_THD_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "padding_mask",
+             "_packed_seq_ids")  # fmt: skip
+#: Packing metadata the sharder consumes (the context carries the layout afterwards).
+_METADATA_KEYS = ("attention_mask", "_packed_seq_ids", "seq_lens", "seq_lens_padded", "cu_seqlens",
+                  "cu_seqlens_padded", "max_seqlen", "qkv_format")  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name == "ShardLayout":  # NeMo's module exposes it; resolved lazily (NeMo is optional)
+        return shard_layout_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------------------------
+def _tensor(value: Any, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}: {value!r}")
+    return value
+
+
+def _index(value: Any, name: str) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+
+
+def _first_bad(bad: torch.Tensor) -> tuple[int, ...] | None:
+    hits = bad.nonzero()
+    return tuple(hits[0].tolist()) if hits.shape[0] else None
+
+
+def _id_map(raw: torch.Tensor, name: str) -> torch.Tensor:
+    """``raw`` (bool / int / float holding non-negative integers) as NeMo's int32 id map."""
+    if raw.is_complex():
+        raise ValueError(f"{name} has dtype {raw.dtype}; expected integer document ids")
+    if raw.dtype != torch.bool:
+        bad = (raw < 0) | (raw > torch.iinfo(torch.int32).max)
+        if raw.is_floating_point():
+            bad |= raw != raw.trunc()  # NaN too
+        hit = _first_bad(bad)
+        if hit is not None:
+            where = f"{name}[{', '.join(map(str, hit))}]"
+            raise ValueError(
+                f"{where} = {raw[hit].item()!r} is not a document id (a non-negative integer; "
+                "0 = pad)"
+            )
+    return raw.to(torch.int32)
+
+
+def _runs(raw: torch.Tensor, name: str) -> torch.Tensor:
+    """fcp's int64 map of a NeMo id map: runs of equal non-zero ids numbered 1, 2, ... per row.
+
+    ``raw`` must hold non-negative ids with padding (0) only as a right tail ([pad-tail]).
+    """
+    if (raw < 0).any():
+        raise ValueError(f"{name} holds negative document ids")
+    valid = raw != PAD_DOC_ID
+    try:
+        validate_right_tail_mask(valid, name=f"{name} != 0")
+    except ValueError as err:
+        raise ValueError(
+            f"{err}: fcp's document map has padding (id 0) only as a right tail; left or "
+            "interior padding is not supported"
+        ) from None
+    return torch.cumsum(document_starts(raw) & valid, dim=1) * valid
 
 
 # ---------------------------------------------------------------------------------------------
 # layout
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
+@dataclass
 class Glm5NextPackedContext:
     """Global packed-document layout for one model step.
 
-    The seed's group-free view of fcp's :class:`~fcp.context.PackedContext`: the replicated
-    int64 ``[batch, global_seq]`` map ``doc_ids`` (documents 1, 2, ... per row, pad 0; global
-    length divisible by ``cp_size``), this rank's first global token ``seq_start`` (a multiple
-    of ``local_seq_len``) and the row length before CP padding. ``to_packed_context(cp_group)``
-    attaches a group and returns the core context every fcp operator takes.
+    Attributes:
+        doc_ids: integer document ids ``[batch, global_sequence]`` (int32 from the sharder), 0 =
+            padding; the runs of equal positive ids are the documents.
+        seq_start: global offset of this rank's contiguous local token interval.
+        cp_size: number of context-parallel ranks (divides the global length).
+        original_seq_len: sequence length before CP divisibility padding.
+        _cu_seqlens: memo of :meth:`row_cu_seqlens` (an ``__init__`` field on purpose:
+            ``dataclasses.replace`` and FSDP's input casting pass it back; ``replace`` shares it).
 
-    Frozen and registered as a pytree whose only leaf is ``doc_ids`` (the rest is static), like
-    ``PackedContext``. ``_cu_seqlens`` is the host-side memo of :meth:`row_cu_seqlens`
-    (excluded from the pytree; a fresh dict per instance).
+    ``to_packed_context(group)`` is the same layout as fcp's frozen, pytree-registered
+    :class:`~fcp.context.PackedContext` (int64 ids 1, 2, ... per row), for fcp's operators.
     """
 
     doc_ids: torch.Tensor
@@ -100,76 +227,83 @@ class Glm5NextPackedContext:
     cp_size: int = 1
     original_seq_len: int | None = None
     _cu_seqlens: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict, repr=False
+        default_factory=dict, repr=False, compare=False
     )
-    # Memo of core contexts per resolved process group (see to_packed_context).
-    _cores: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         d = self.doc_ids
-        if not isinstance(d, torch.Tensor) or d.dim() != 2 or d.dtype != torch.int64:
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"doc_ids must be a torch.Tensor, got {type(d).__name__}")
+        if d.dim() != 2 or d.is_floating_point() or d.is_complex() or d.dtype == torch.bool:
             raise ValueError(
-                "doc_ids must be an int64 [batch, sequence] tensor, got "
-                + (f"shape {tuple(d.shape)} dtype {d.dtype}" if isinstance(d, torch.Tensor)
-                   else type(d).__name__)
+                f"doc_ids must be an integer [batch, sequence] tensor, got shape "
+                f"{tuple(d.shape)} dtype {d.dtype}"
             )
-        if isinstance(self.cp_size, bool) or not isinstance(self.cp_size, int) or self.cp_size < 1:
-            raise ValueError(f"cp_size must be a positive int, got {self.cp_size!r}")
-        if d.shape[1] % self.cp_size:
+        cp_size = _index(self.cp_size, "cp_size")
+        if cp_size < 1 or d.shape[1] % cp_size:
             raise ValueError(
-                f"doc_ids sequence length {d.shape[1]} is not divisible by cp_size={self.cp_size}"
+                f"cp_size={cp_size} must be positive and divide the doc_ids length {d.shape[1]}"
             )
-        local = d.shape[1] // self.cp_size
-        if (
-            not isinstance(self.seq_start, int)
-            or not 0 <= self.seq_start < max(d.shape[1], 1)
-            or (local and self.seq_start % local)
-        ):
+        local = d.shape[1] // cp_size
+        start = _index(self.seq_start, "seq_start")
+        if not (0 <= start < max(d.shape[1], 1) and (local == 0 or start % local == 0)):
             raise ValueError(
-                f"seq_start={self.seq_start!r} must be r * local_seq_len ({local}) for a rank r "
-                f"in [0, cp_size={self.cp_size})"
+                f"seq_start={start} must be r * local_seq_len ({local}) for a rank r in "
+                f"[0, cp_size={cp_size})"
             )
-        if self.original_seq_len is not None and not 0 <= self.original_seq_len <= d.shape[1]:
-            raise ValueError(
-                f"original_seq_len={self.original_seq_len} is outside [0, {d.shape[1]}] "
-                "(the padded global length)"
-            )
+        if self.original_seq_len is not None:
+            original = _index(self.original_seq_len, "original_seq_len")
+            if not 0 <= original <= d.shape[1]:
+                raise ValueError(
+                    f"original_seq_len={original} is outside [0, {d.shape[1]}] (the padded "
+                    "global length)"
+                )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _CONTEXT_FIELDS:
+            self.__dict__.pop("_fcp_cores", None)  # a field changed: rebuild core contexts
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies and pickles carry the fields, not the cores (they may hold a process group).
+        return {k: v for k, v in self.__dict__.items() if k != "_fcp_cores"}
 
     @classmethod
     def from_packed_context(cls, context: PackedContext) -> "Glm5NextPackedContext":
-        """The seed layout of a core context; ``to_packed_context(context.group)`` returns it."""
+        """The NeMo view (int32 ids) of a core context; ``to_packed_context(group)`` returns it."""
         out = cls(
-            doc_ids=context.doc_ids,
+            doc_ids=context.doc_ids.to(torch.int32),
             seq_start=context.seq_start,
             cp_size=context.cp_size,
             original_seq_len=context.original_seq_len,
         )
-        out._cores[context.group] = context
+        out.__dict__["_fcp_cores"] = {context.group: context}
         return out
 
     def to_packed_context(self, cp_group: Any = None) -> PackedContext:
-        """This layout as the core :class:`~fcp.context.PackedContext` of ``cp_group``.
+        """This layout as fcp's :class:`~fcp.context.PackedContext` on ``cp_group``.
 
-        ``cp_group``: ``ProcessGroup``, 1-D ``DeviceMesh`` or ``None``. Its size must be
-        ``cp_size`` and this rank's index must own ``seq_start`` (``ValueError`` otherwise).
-        Memoised per group, so the core's host-side row planning runs once per batch.
+        ``cp_group``: ``ProcessGroup``, 1-D ``DeviceMesh`` or ``None`` (no CP). Its size must be
+        ``cp_size`` and this rank must own ``seq_start``; the map must have padding only as a
+        right tail (``ValueError`` otherwise). Memoised per group.
         """
         info = resolve_group(cp_group)
-        core = self._cores.get(info.group)
+        cores = self.__dict__.setdefault("_fcp_cores", {})
+        core = cores.get(info.group)
         if core is None:
             if info.size != self.cp_size:
                 raise ValueError(
                     f"cp_group has {info.size} rank(s) but the layout has cp_size={self.cp_size}"
                 )
             core = PackedContext(
-                doc_ids=self.doc_ids,
+                doc_ids=_runs(self.doc_ids, "doc_ids"),
                 group=info.group,
                 cp_size=info.size,
                 cp_rank=info.rank,
                 seq_start=self.seq_start,
                 original_seq_len=self.original_seq_len,
             )
-            self._cores[info.group] = core
+            cores[info.group] = core
         return core
 
     @property
@@ -184,88 +318,96 @@ class Glm5NextPackedContext:
 
     @property
     def local_doc_ids(self) -> torch.Tensor:
-        """Return document ids [batch, local_sequence] for this rank (a view, compile-safe)."""
-        return self.doc_ids.narrow(1, self.seq_start, self.local_seq_len)
+        """Return document ids ``[batch, local_sequence]`` for this rank (a view)."""
+        return self.doc_ids[:, self.seq_start : self.seq_start + self.local_seq_len]
 
     def row_cu_seqlens(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return device/CPU segment boundaries for one packed batch row.
 
-        Global int64 ``[segments + 1]`` from 0 to the padded length, the pad tail its own
-        segment; :meth:`fcp.context.PackedContext.row_cu_seqlens` of the same map. Host-side
-        and memoised per row in ``_cu_seqlens``.
+        int64 ``[runs + 1]`` from 0 to the padded length: every run of equal ids (the pad tail
+        included) is a segment (:func:`fcp.layout.segment_cu_seqlens`). Memoised in
+        ``_cu_seqlens`` under ``row`` as given; negative rows count from the end.
         """
-        if row not in self._cu_seqlens:
-            # Global boundaries do not depend on the group: reuse an attached core (sharing its
-            # memo with the operators), else plan with the single-rank core of the same map.
-            core = next(iter(self._cores.values()), None) or PackedContext(self.doc_ids)
-            self._cu_seqlens[row] = core.row_cu_seqlens(row)
-        return self._cu_seqlens[row]
+        cached = self._cu_seqlens.get(row)
+        if cached is None:
+            index, rows = _index(row, "row"), self.doc_ids.shape[0]
+            if not -rows <= index < rows:
+                raise IndexError(f"index {index} is out of bounds for dimension 0 with size {rows}")
+            bounds = core_segment_cu_seqlens(self.doc_ids[index])
+            cached = (bounds, bounds.cpu())
+            self._cu_seqlens[row] = cached
+        return cached
 
 
-register_frozen_pytree(
-    Glm5NextPackedContext,
-    leaves=("doc_ids",),
-    name="fcp.models.glm5_next.Glm5NextPackedContext",
-    drop=("_cu_seqlens",),
-)
+_CONTEXT_FIELDS = frozenset(f.name for f in dataclasses.fields(Glm5NextPackedContext))
 
 
 # ---------------------------------------------------------------------------------------------
-# collectives
+# document maps
 # ---------------------------------------------------------------------------------------------
-class _AllGatherBackwardAnchor(torch.autograd.Function):
-    """Return zero while retaining a backward edge to a gathered tensor.
+def doc_ids_from_seq_lens(
+    seq_lens: torch.Tensor, seq_len: int, *, padding_value: int = SEQ_LENS_SENTINEL
+) -> torch.Tensor:
+    """Convert per-document lengths ``[batch, documents]`` to ids ``[batch, sequence]``.
 
-    ``forward(ctx, gathered)`` -> 0-d zero; ``backward(ctx, grad_output)`` -> zeros like
-    ``gathered`` that depend on the gradient (:func:`fcp.comm.dependent_zeros`). Prefer
-    :func:`all_gather_backward_anchor`.
+    int32 on ``seq_lens``' device; document ``j`` of a row (counting zero-length ones, not the
+    trailing ``padding_value`` slots) gets id ``j + 1``; the rest of the row is pad (0).
+    :func:`fcp.layout.doc_ids_from_seq_lens` validates and builds the map.
+
+    Example: ``doc_ids_from_seq_lens(tensor([2, 0, 2]), 5) -> [[1, 1, 3, 3, 0]]``.
     """
+    ids = core_doc_ids_from_seq_lens(seq_lens, seq_len, padding_value)
+    lens = seq_lens if seq_lens.dim() == 2 else seq_lens.unsqueeze(0)
+    # Core ids count non-empty documents; NeMo's count every slot. k-th non-empty -> its slot.
+    slots = torch.arange(lens.shape[1], device=lens.device).expand(lens.shape)
+    slots = torch.where(lens > 0, slots, lens.shape[1]).sort(dim=1).values
+    if slots.shape[1] == 0:
+        return ids.to(torch.int32)
+    nemo = slots.gather(1, (ids - 1).clamp(min=0)) + 1
+    return torch.where(ids > 0, nemo, 0).to(torch.int32)
 
-    @staticmethod
-    def forward(ctx, gathered: torch.Tensor) -> torch.Tensor:
-        ctx.shape, ctx.dtype = gathered.shape, gathered.dtype
-        return gathered.new_zeros(())
 
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
-        return dependent_zeros(grad_output, ctx.shape, ctx.dtype)
+def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Convert cumulative document boundaries to ids ``[1, sequence]``.
 
+    int32 on ``cu_seqlens``' device; segment ``j`` (counting empty ones) gets id ``j + 1`` and
+    positions from ``cu_seqlens[-1]`` on are pad (0). A trailing run of negative fill values is
+    ignored. :func:`fcp.layout.doc_ids_from_cu_seqlens` validates and builds the map.
 
-class _AllGatherSequence(torch.autograd.Function):
-    """Autograd-aware all-gather of equal contiguous sequence shards.
-
-    Seed-compatible ``Function`` wrapper: ``_AllGatherSequence.apply(x, group, dim)`` equals
-    ``all_gather_sequence(x, group, dim)``. Forward runs fcp's funcol gather on a detached copy;
-    backward differentiates that same gather (funcol's reduce-scatter), so there is one
-    implementation. Eager only (the nested autograd call breaks ``fullgraph`` compilation): use
-    :func:`all_gather_sequence`, which is compile-safe.
+    Example: ``doc_ids_from_cu_seqlens(tensor([0, 2, 2, 5, -1]), 6) -> [[1, 1, 3, 3, 3, 0]]``.
     """
+    cu = _tensor(cu_seqlens, "cu_seqlens")
+    if cu.dim() == 2 and cu.shape[0] == 1:
+        cu = cu[0]
+    if cu.dim() == 1 and not (cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool):
+        real = int((cu >= 0).cumprod(0).sum())  # entries before the first negative one
+        if bool((cu[real:] >= 0).any()):
+            raise ValueError(
+                f"cu_seqlens = {cu.tolist()} has a negative entry before a boundary; only a "
+                "trailing run of negative fill values is allowed"
+            )
+        cu = cu[:real]
+        if cu.numel() < 2:
+            raise ValueError(
+                f"cu_seqlens = {cu_seqlens.tolist()} needs at least two boundaries (0 and the "
+                "end of the first document)"
+            )
+    ids = core_doc_ids_from_cu_seqlens(cu, seq_len)  # validates dtype, shape, order, range
+    nonempty = (cu[1:] > cu[:-1]).nonzero().reshape(-1)
+    nemo = nonempty[(ids - 1).clamp(min=0)] + 1 if nonempty.numel() else ids
+    return torch.where(ids > 0, nemo, 0).to(torch.int32)
 
-    @staticmethod
-    def forward(ctx, local_tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-        if not (local_tensor.is_floating_point() or local_tensor.is_complex()):
-            return _fcp_all_gather_sequence(local_tensor, group, dim, differentiable=False)
-        with torch.enable_grad():
-            leaf = local_tensor.detach().requires_grad_()
-            gathered = _fcp_all_gather_sequence(leaf, group, dim)
-        ctx.leaf, ctx.gathered = leaf, gathered
-        return gathered.detach()
 
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        (grad,) = torch.autograd.grad(ctx.gathered, ctx.leaf, grad_output)
-        del ctx.leaf, ctx.gathered
-        return grad, None, None
+def segment_cu_seqlens(doc_ids_row: torch.Tensor) -> torch.Tensor:
+    """Return boundaries for consecutive document-id runs covering the full row.
 
-
-def all_gather_sequence(tensor: torch.Tensor, cp_group: Any, dim: int = 1) -> torch.Tensor:
-    """Gather a sequence-sharded tensor while preserving K/V gradient flow.
-
-    :func:`fcp.comm.all_gather_sequence`: equal contiguous shards concatenated in rank order
-    along ``dim``; backward reduce-scatters the gradient to the owning ranks. ``cp_group``:
-    ``ProcessGroup``, 1-D ``DeviceMesh``, ``PackedContext`` or ``None`` (identity).
+    int32 ``[runs + 1]`` from 0 to ``sequence`` on the row's device (the pad tail is its own run);
+    an empty row gives ``[0]``. :func:`fcp.layout.segment_cu_seqlens` of a 1-D integer row.
     """
-    return _fcp_all_gather_sequence(tensor, cp_group, dim)
+    row = _tensor(doc_ids_row, "doc_ids_row")
+    if row.dim() != 1:
+        raise ValueError(f"doc_ids_row must be 1-D [sequence], got shape {tuple(row.shape)}")
+    return core_segment_cu_seqlens(row).to(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,61 +422,228 @@ def build_fla_cp_context(
     """Build FLA's KDA context for one batch row.
 
     Args:
-        packed_context: global document layout (a :class:`Glm5NextPackedContext`, or a core
-            ``PackedContext``).
-        row: batch row being executed.
-        cp_group: context-parallel process group (or 1-D mesh).
+        packed_context: global document layout (or fcp's ``PackedContext``).
+        row: batch row being executed (negative counts from the end).
+        cp_group: context-parallel process group (or 1-D mesh; ``None``: the default group).
         conv_kernel_size: short-convolution width used for the left halo.
 
     Returns:
-        FLA ``FLACPContext`` carrying segment and process-group metadata, from
-        ``fcp.ops.fla_support.build_fla_cp_context`` on ``packed_context.to_packed_context(
-        cp_group)`` (FLA is imported on first call). Memoised per row, kernel size and group:
-        every layer of a step gets the same object.
-    """
-    from fcp.ops.fla_support import build_fla_cp_context as _build  # lazy: FLA on first call
+        FLA ``FLACPContext`` carrying segment and process-group metadata, planned by
+        ``fcp.ops.fla_support.build_fla_cp_context`` (field for field what FLA's own builder
+        gives; memoised per row, width and group).
 
+    Raises:
+        RuntimeError: FLA is not importable (as NeMo).
+    """
+    try:
+        from fcp.ops.fla_support import build_fla_cp_context as plan  # imports FLA lazily
+        import fla.ops.cp  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(
+            "GLM-5.3 context parallelism requires the `fla` optional dependency"
+        ) from err
+    group = _default_group() if cp_group is None else cp_group
     if isinstance(packed_context, Glm5NextPackedContext):
-        packed_context = packed_context.to_packed_context(cp_group)
-    # FLA takes a ProcessGroup: a mesh resolves to its group, a one-rank group to None.
-    return _build(packed_context, row, resolve_group(cp_group).group, conv_kernel_size)
+        packed_context = packed_context.to_packed_context(group)
+    index, rows = _index(row, "row"), packed_context.batch_size
+    if not -rows <= index < rows:
+        raise IndexError(f"index {index} is out of bounds for dimension 0 with size {rows}")
+    return plan(packed_context, index % rows, resolve_group(group).group, conv_kernel_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# collectives
+# ---------------------------------------------------------------------------------------------
+def _default_group():
+    """``None`` as a CP group means the default group, as in ``torch.distributed``."""
+    if not dist.is_initialized():
+        raise ValueError(
+            "Default process group has not been initialized, please make sure to call "
+            "init_process_group."
+        )
+    return dist.group.WORLD
+
+
+class _AllGatherSequence(torch.autograd.Function):
+    """Autograd-aware all-gather of equal contiguous sequence shards.
+
+    ``_AllGatherSequence.apply(x, group, dim)`` equals ``all_gather_sequence(x, group, dim=dim)``:
+    forward runs fcp's funcol gather on a detached copy, backward differentiates that same gather
+    (a reduce-scatter). Eager only; :func:`all_gather_sequence` is compile-safe.
+    """
+
+    @staticmethod
+    def forward(ctx, local_tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+        group = _default_group() if group is None else group
+        if not (local_tensor.is_floating_point() or local_tensor.is_complex()):
+            return core_all_gather_sequence(local_tensor, group, dim, differentiable=False)
+        with torch.enable_grad():
+            leaf = local_tensor.detach().requires_grad_()
+            gathered = core_all_gather_sequence(leaf, group, dim)
+        ctx.leaf, ctx.gathered = leaf, gathered
+        return gathered.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad,) = torch.autograd.grad(ctx.gathered, ctx.leaf, grad_output)
+        del ctx.leaf, ctx.gathered
+        return grad, None, None
+
+
+class _AllGatherBackwardAnchor(torch.autograd.Function):
+    """Return zero ``(B, 1, 1)`` while retaining a backward edge to a gathered tensor.
+
+    Backward gives zeros shaped like ``gathered`` that depend on the incoming gradient
+    (:func:`fcp.comm.dependent_zeros`). Prefer :func:`all_gather_backward_anchor`.
+    """
+
+    @staticmethod
+    def forward(ctx, gathered: torch.Tensor) -> torch.Tensor:
+        ctx.shape, ctx.dtype = gathered.shape, gathered.dtype
+        return gathered.new_zeros(gathered.shape[:1] + (1, 1))
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+        return dependent_zeros(grad_output, ctx.shape, ctx.dtype)
+
+
+def all_gather_sequence(tensor: torch.Tensor, cp_group: Any, *, dim: int = 1) -> torch.Tensor:
+    """Gather a sequence-sharded tensor while preserving K/V gradient flow.
+
+    :func:`fcp.comm.all_gather_sequence`: equal contiguous shards concatenated in rank order
+    along ``dim``; backward sends each rank the sum over ranks of its slice's gradient (one
+    reduce-scatter). ``cp_group``: ``ProcessGroup`` or 1-D ``DeviceMesh``; ``None`` is the
+    default group, as in NeMo.
+    """
+    group = _default_group() if cp_group is None else cp_group
+    return core_all_gather_sequence(tensor, group, dim)
+
+
+def all_gather_backward_anchor(gathered: torch.Tensor) -> torch.Tensor:
+    """Create a zero-valued dependency that keeps gather backward collective-safe.
+
+    ``output + all_gather_backward_anchor(full)`` changes nothing but keeps a rank whose loss
+    ignores ``full`` in the gather's backward collective. Zeros ``(B, 1, 1)`` of ``gathered``'s
+    dtype (:func:`fcp.comm.all_gather_backward_anchor`, NaN-safe in backward).
+    """
+    anchor = core_backward_anchor(gathered)
+    return anchor.expand(gathered.shape[:1] + (1, 1)).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
 # batch helpers and the sharder
 # ---------------------------------------------------------------------------------------------
-def _global_doc_ids_from_batch(batch: dict[str, Any], seq_len: int) -> torch.Tensor:
-    """Resolve the global document map before removing packing metadata.
-
-    :func:`fcp.shard.global_doc_ids_from_batch`: ``doc_ids``, ``cu_seqlens``, ``seq_lens``, a
-    right-tail mask, else one document per row; int64 ``[batch, seq_len]``.
-    """
-    return global_doc_ids_from_batch(batch, seq_len)
-
-
-def _normalize_batch_axis(batch: dict[str, Any]) -> dict[str, Any]:
-    """Restore the placeholder batch axis used by THD VLM collaters.
-
-    :func:`fcp.shard.normalize_batch_axis`. Unlike the seed (which mutated ``batch`` and
-    returned ``None``) this returns a **new** batch and leaves ``batch`` untouched.
-    """
-    return normalize_batch_axis(batch)
-
-
 def _pad_sequence_dim(
     tensor: torch.Tensor, pad_len: int, value: float | int | bool
 ) -> torch.Tensor:
-    """Right-pad ``tensor`` along the sequence axis (dim 1) by ``pad_len`` entries of ``value``.
-
-    :func:`fcp.shard.pad_sequence_dim`; returns ``tensor`` itself when ``pad_len == 0``.
-    """
+    """Right-pad dim 1 by ``pad_len`` entries of ``value`` (the same tensor if ``pad_len <= 0``)."""
+    if pad_len <= 0:
+        return tensor
     return pad_sequence_dim(tensor, pad_len, value)
+
+
+def _thd_rows(batch: MutableMapping[str, Any]) -> dict[str, torch.Tensor]:
+    """For a THD batch (``input_ids [S]``): its ``[S]`` token rows with the batch axis added."""
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+        return {}
+    return {
+        key: batch[key].unsqueeze(0)
+        for key in _THD_KEYS
+        if isinstance(batch.get(key), torch.Tensor)
+        and batch[key].dim() == 1
+        and batch[key].shape[0] == ids.shape[0]
+    }
+
+
+def _normalize_batch_axis(batch: dict[str, Any]) -> None:
+    """Restore the placeholder batch axis used by THD VLM collaters (in place).
+
+    With ``input_ids`` ``[S]``, every ``[S]`` token row among ``input_ids``, ``labels``,
+    ``position_ids``, ``attention_mask``, ``padding_mask`` and ``_packed_seq_ids`` becomes
+    ``[1, S]``; media and packing metadata are left alone.
+    """
+    if "input_ids" not in batch:
+        raise MissingBatchKeyError("input_ids")
+    batch.update(_thd_rows(batch))
+
+
+def _global_doc_ids_from_batch(batch: dict[str, Any], seq_len: int) -> torch.Tensor:
+    """Resolve the global document map before removing packing metadata.
+
+    int32 ``[batch, seq_len]`` from the first source present: ``_packed_seq_ids``; a 2-D
+    ``attention_mask`` (a binary mask is one document per row, an indexed one holds the ids);
+    ``seq_lens_padded`` else ``seq_lens`` (:func:`doc_ids_from_seq_lens`); ``cu_seqlens``
+    (:func:`doc_ids_from_cu_seqlens`); else one document per row with ``padding_mask``'s True
+    positions as pad. Validated (see the module docstring); padding only as a right tail.
+    """
+    return _resolve_doc_ids(batch, seq_len)[0]
+
+
+def _resolve_doc_ids(
+    batch: MutableMapping[str, Any], seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(NeMo's int32 map, fcp's int64 map)`` of ``batch`` (see ``_global_doc_ids_from_batch``)."""
+    ids = batch.get("input_ids")
+    rows = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+    if batch.get("_packed_seq_ids") is not None:
+        name = "_packed_seq_ids"
+        raw = _tensor(batch[name], name)
+        raw = _id_map(raw.unsqueeze(0) if raw.dim() == 1 else raw, name)
+    elif batch.get("attention_mask") is not None:
+        name = "attention_mask"
+        raw = _tensor(batch[name], name)
+        if raw.dim() != 2:
+            raise ValueError(
+                f"attention_mask has shape {tuple(raw.shape)}; GLM CP reads a 2-D [batch, "
+                "sequence] mask (binary or indexed document ids), not a block mask"
+            )
+        raw = _id_map(raw, name)
+    elif (
+        "seq_lens_padded" in batch and batch["seq_lens_padded"] is None
+        and batch.get("seq_lens") is not None
+    ):  # fmt: skip
+        raise ValueError(
+            "seq_lens_padded is None while seq_lens is given: NeMo's order (seq_lens_padded "
+            "first) would silently drop the packing; pass one of them"
+        )
+    elif batch.get("seq_lens_padded", batch.get("seq_lens")) is not None:
+        name = "seq_lens_padded" if batch.get("seq_lens_padded") is not None else "seq_lens"
+        raw = doc_ids_from_seq_lens(_tensor(batch[name], name), seq_len)
+    elif batch.get("cu_seqlens") is not None:
+        name = "cu_seqlens"
+        raw = doc_ids_from_cu_seqlens(batch[name], seq_len)
+    else:
+        if rows is None:
+            raise MissingBatchKeyError("input_ids")
+        name, pad = "padding_mask", batch.get("padding_mask")
+        raw = torch.ones(rows, seq_len, dtype=torch.int32, device=ids.device)
+        if pad is not None:
+            _stream_shape(_tensor(pad, name), name, rows, seq_len)
+            raw = raw.masked_fill(pad.bool(), PAD_DOC_ID)
+        else:
+            name = "input_ids"
+    if raw.dim() != 2 or raw.shape[1] != seq_len or (rows is not None and raw.shape[0] != rows):
+        raise ValueError(
+            f"the document map from {name} has shape {tuple(raw.shape)}, expected "
+            f"[batch={rows}, sequence={seq_len}] like input_ids"
+        )
+    return raw, _runs(raw, name)  # pad only as a right tail
+
+
+def _stream_shape(t: torch.Tensor, name: str, rows: int, seq_len: int) -> None:
+    if t.dim() != 2 or tuple(t.shape) != (rows, seq_len):
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)}, expected [batch={rows}, sequence={seq_len}] "
+            "like input_ids"
+        )
 
 
 def shard_batch_for_glm5_next_cp(
     cp_mesh,
     tp_mesh,
     batch: dict[str, Any],
+    *,
     loss_mask=None,
     padding_token_id: int = 0,
     shard_primary: bool = False,
@@ -342,45 +651,92 @@ def shard_batch_for_glm5_next_cp(
     """Contiguously shard packed GLM-5.3 token streams.
 
     The top-level VLM uses ``shard_primary=False``: image features must be spliced into the full
-    embedding sequence inside forward before that differentiable primary stream is sliced (with
-    ``local_batch["cp_context"].shard(embeds)``). Labels and other no-grad token streams are
-    still sharded here.
-
-    :func:`fcp.shard.shard_batch` with ``pad_multiple=1``: the global length is padded to a
-    multiple of the CP size only. (An fcp pooled-key attention under CP needs the local length
-    to be a multiple of its block; call :func:`fcp.shard.shard_batch` with ``pad_multiple``
-    for that.)
+    embedding sequence inside forward before that differentiable primary stream is sliced.
+    Labels and other no-grad token streams are still sharded here.
 
     Args:
         cp_mesh: one-dimensional CP mesh (or ``ProcessGroup``), or ``None``.
-        tp_mesh: tensor-parallel mesh accepted by the sharder protocol; must be ``None`` or of
-            size one.
-        batch: batch containing token tensors with shape ``[batch, sequence]`` and optional
-            packing metadata (``cu_seqlens`` / ``seq_lens`` / ``doc_ids``). Never mutated.
-        loss_mask: optional loss mask ``[batch, sequence]``.
+        tp_mesh: unused tensor-parallel mesh, accepted by the sharder protocol.
+        batch: batch containing token tensors with shape ``[batch, sequence]`` (``[sequence]``
+            THD rows get a batch axis); **mutated in place**.
+        loss_mask: optional loss mask ``[batch, sequence]``, sharded into ``batch["loss_mask"]``.
         padding_token_id: fill value for padded token ids.
-        shard_primary: whether to shard ``input_ids`` in this function (``False``: kept full
-            length, CP-padded).
+        shard_primary: whether to pad and shard ``input_ids`` here (``False``: left untouched).
 
     Returns:
-        ``(context_factory, local_batch, layout)``: a null context-manager factory, a **new**
-        local batch (this rank's token slices, packing metadata removed, ``position_ids`` added
-        when absent, and this rank's :class:`~fcp.context.PackedContext` under
-        ``"cp_context"``), and the global shard layout :class:`Glm5NextPackedContext`
-        (``layout.to_packed_context(cp_mesh)`` is ``local_batch["cp_context"]``).
+        ``(contextlib.nullcontext, batch, ShardLayout(original_seq_len, padded_seq_len))``.
+        ``batch`` loses its packing metadata and ``attention_mask``, gets this rank's
+        ``labels`` / ``position_ids`` / ``padding_mask`` (bool, True = pad; a given mask keeps its
+        dtype) and the global :class:`Glm5NextPackedContext` under
+        ``"glm5_next_packed_context"``; the global length is padded to a multiple of the CP size.
+
+    Raises:
+        ValueError / TypeError (``KeyError`` too for a missing ``input_ids``): a malformed batch,
+        identically on every rank, before the batch is touched.
     """
-    if mesh_size(tp_mesh) > 1:
+    del tp_mesh
+    if not isinstance(batch, MutableMapping):
+        raise TypeError(f"batch must be a mutable mapping, got {type(batch).__name__}")
+    if "input_ids" not in batch:
+        raise MissingBatchKeyError("input_ids")
+    rows = _thd_rows(batch)
+    work = {**batch, **rows}
+    ids = _tensor(work["input_ids"], "input_ids")
+    if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() or ids.shape[1] == 0:
         raise ValueError(
-            f"tp_mesh has size {mesh_size(tp_mesh)}; contiguous CP supports no tensor "
-            "parallelism (tp_mesh must be None or of size one)"
+            f"input_ids must be a non-empty integer [batch, sequence] tensor, got shape "
+            f"{tuple(ids.shape)} dtype {ids.dtype}"
         )
-    local, context = shard_batch(
+    n_rows, seq_len = ids.shape
+    raw, doc_ids = _resolve_doc_ids(work, seq_len)
+
+    core_batch: dict[str, Any] = {"input_ids": ids, "doc_ids": doc_ids}
+    if work.get("labels") is not None:
+        core_batch["labels"] = _tensor(work["labels"], "labels")
+    positions = work.get("position_ids")
+    one_row = False
+    if "position_ids" not in work:
+        positions = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand_as(ids)
+    if positions is not None:
+        positions = _tensor(positions, "position_ids")
+        one_row = positions.dim() == 2 and positions.shape[0] == 1 and n_rows > 1
+        core_batch["position_ids"] = positions.expand(n_rows, -1) if one_row else positions
+    padding_mask = work.get("padding_mask")
+    if padding_mask is not None:
+        _stream_shape(_tensor(padding_mask, "padding_mask"), "padding_mask", n_rows, seq_len)
+    local, core = shard_batch(
         cp_mesh,
-        batch,
+        core_batch,
         loss_mask=loss_mask,
         padding_token_id=padding_token_id,
         pad_multiple=1,
         shard_primary=shard_primary,
     )
-    local[_CP_CONTEXT_KEY] = context
-    return contextlib.nullcontext, local, Glm5NextPackedContext.from_packed_context(context)
+    pad = core.global_seq_len - seq_len
+    context = Glm5NextPackedContext(
+        doc_ids=pad_sequence_dim(raw, pad, PAD_DOC_ID),
+        seq_start=core.seq_start,
+        cp_size=core.cp_size,
+        original_seq_len=seq_len,
+    )
+    context.__dict__["_fcp_cores"] = {core.group: core}
+
+    # Everything is validated: mutate the batch, in NeMo's order (so its keys keep NeMo's order).
+    batch.update(rows)
+    for key in _METADATA_KEYS:
+        batch.pop(key, None)
+    if "labels" in core_batch:
+        batch["labels"] = local["labels"].contiguous()
+    if positions is not None:
+        local_positions = local["position_ids"][:1] if one_row else local["position_ids"]
+        batch["position_ids"] = local_positions.contiguous()
+    if shard_primary:
+        batch["input_ids"] = local["input_ids"].contiguous()
+    if padding_mask is not None:
+        batch["padding_mask"] = core.shard(pad_sequence_dim(padding_mask, pad, True)).contiguous()
+    elif "padding_mask" not in batch:
+        batch["padding_mask"] = (~core.local_valid).contiguous()
+    batch[_CONTEXT_KEY] = context
+    if loss_mask is not None:
+        batch["loss_mask"] = local["loss_mask"].contiguous()
+    return contextlib.nullcontext, batch, shard_layout(seq_len, core.global_seq_len)
