@@ -68,6 +68,21 @@ def received_bytes(op: str, in_bytes: int, out_bytes: int, args, rank: int, worl
     return sent_bytes(op, in_bytes, args, rank, world)
 
 
+def _group_of(args, rank: int, world: int) -> tuple[int, int]:
+    """``(rank, size)`` in the group a functional collective runs on (its ``group_name``
+    argument); ``(rank, world)`` when it names none. CP collectives run on a sub-group of the
+    data x context mesh, so the caller's world is not theirs."""
+    # the last string argument: reductions name their op ("sum") with a string too
+    name = next((a for a in reversed(args) if isinstance(a, str)), None)
+    if not name:
+        return rank, world
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = _resolve_process_group(name)
+    return dist.get_rank(pg), dist.get_world_size(pg)
+
+
 def _nbytes(x) -> int:
     """Bytes of a tensor, or of a list of tensors (coalesced collectives); fx nodes via meta."""
     if isinstance(x, (list, tuple)):
@@ -107,8 +122,9 @@ class CommBytes(TorchDispatchMode):
         if op is not None:
             self.calls += 1
             n_in, n_out = _nbytes(args[0]), _nbytes(out)
-            self.sent += sent_bytes(op, n_in, args, self.rank, self.world)
-            self.received += received_bytes(op, n_in, n_out, args, self.rank, self.world)
+            rank, world = _group_of(args, self.rank, self.world)
+            self.sent += sent_bytes(op, n_in, args, rank, world)
+            self.received += received_bytes(op, n_in, n_out, args, rank, world)
         return out
 
 
@@ -143,7 +159,8 @@ class CountingBackend:
         for node in fx_g.graph.nodes:
             op = collective_op(node.target) if node.op == "call_function" else None
             if op is not None:
-                sent += sent_bytes(op, _nbytes(node.args[0]), node.args, self.rank, self.world)
+                rank, world = _group_of(node.args, self.rank, self.world)
+                sent += sent_bytes(op, _nbytes(node.args[0]), node.args, rank, world)
                 calls += 1
         inner = boxed_nop(fx_g, example_inputs)
 

@@ -1,31 +1,36 @@
-"""Train a tiny GLM-5.3-Flash-like hybrid with 4-way context parallelism on a laptop CPU.
+"""Train transformers' GLM-5.3-Flash on packed documents with data x context parallelism, on a CPU.
 
-    python examples/demo.py                       # starts 4 gloo CP ranks itself (make demo)
-    python examples/demo.py --steps 50 --cp 2     # shorter, 2 ranks
-    torchrun --nproc-per-node 4 examples/demo.py  # or let torchrun start the ranks
+    python examples/demo.py                          # 4 gloo ranks: CP 4 (make demo)
+    python examples/demo.py --dp 2 --cp 2            # data parallel 2 x context parallel 2
+    python examples/demo.py --steps 50 --cp 2        # shorter
+    python examples/demo.py --model glm5             # fcp's home-made GLM-like example model
+    torchrun --nproc-per-node 4 examples/demo.py --dp 2 --cp 2    # torchrun starts the ranks
 
-Every rank reads the same packed batch of Python standard-library source (byte tokens), keeps its
-contiguous quarter with ``fcp.shard_batch`` and runs the ``torch.compile(fullgraph=True)`` model
-on it; the token mixers (short conv, KDA, sparse attention) exchange only what they need. After
-the backward pass the per-rank partial parameter gradients are summed over the CP group (one
-all-reduce) and every rank takes the same AdamW step.
+The model is transformers' own ``glm5_next`` architecture (KDA layers with short convs, a k-pool
+DSA indexed-MLA layer, MoE, hyper-connections) at the tiny size of
+``examples/configs/glm5_next_tiny.json``, random init, with its token mixers on fcp
+(:mod:`examples.glm5_hf`). Every step reads a global batch of packed byte-level documents of
+Python's standard library; its rows are dealt to the ``--dp`` data-parallel replicas, and each
+replica's rows are sharded contiguously over its ``--cp`` ranks by ``fcp.shard_batch``. FSDP2
+shards the parameters over the flattened (dp, cp) mesh; each rank's loss is its token-loss sum
+over the global number of loss tokens (:func:`fcp.loss.global_token_mean`), so training is
+single-process training on the global batch. The token mixers are compiled with
+``torch.compile(fullgraph=True)`` (``aot_eager`` by default: see ``DemoOptions.backend``).
 
-Rank 0 checks every step against the model without CP:
+Rank 0 checks every step against one process:
 
-* **no CP, same weights**: before the optimizer step it runs the same model, with the same
-  weights, on the whole (unsharded) batch. The two losses agree to float32 rounding (relative
-  difference ~1e-7, often bitwise) at every step: this is the exactness of fcp's CP.
-* **twin**: an independent training run without CP from the same initial weights, same
-  batches, its own optimizer. It follows the CP run to rounding level for the first ~100 steps;
-  after that the two drift apart slowly, as any two float32 trainings whose sums run in a
-  different order do (training amplifies rounding chaotically; two non-CP runs that differ only
-  in KDA's chunk size drift the same way).
+* **single process, same weights** (``--no-reference`` skips it): at step 1, every
+  ``--reference-every`` steps and the last step, before the optimizer step, it gathers the full
+  parameters and evaluates the same global batch without any parallelism. The losses agree to
+  float32 rounding: the exactness of one step.
+* **single-process twin** (``--no-twin``): an independent run in one process from the same
+  initial weights, same batches, its own optimizer. It follows the parallel run to rounding level
+  at first; over hundreds of steps two float32 trainings whose sums are ordered differently drift
+  apart (chaotic amplification of rounding, not an error of CP). The last line of the output is
+  its ``max relative difference vs single process`` over the steps run.
 
-Printed and written to ``reports/demo/`` (``report.md``, ``curves.png``, ``steps.csv``): the
-losses, tokens per second of the CP step, bytes each rank sends per step (read from the compiled
-forward and backward graphs' collectives, or counted by a ``TorchDispatchMode`` in eager mode,
-plus the gradient all-reduce) and how many graphs ``torch.compile`` built (one: new packings never
-recompile).
+Written to ``reports/demo/`` (``report.md``, ``curves.png``, ``steps.csv``): losses, tokens per
+second, bytes each rank sends per step, and compilation counts.
 """
 
 from __future__ import annotations
@@ -51,43 +56,112 @@ if str(REPO) not in sys.path:  # `python examples/demo.py` puts examples/, not t
 import fcp  # noqa: E402
 from examples.comm_accounting import CommBytes, CountingBackend, dynamo_counts  # noqa: E402
 from examples.data import PackedDocuments  # noqa: E402
-from examples.models import (  # noqa: E402
-    all_reduce_grads,
-    build_model,
-    count_loss_tokens,
-    token_loss_sum,
-)
+from fcp.loss import global_token_mean, loss_token_count  # noqa: E402
 
-__all__ = ["DemoOptions", "train", "main"]
+__all__ = ["DemoOptions", "build", "train", "main"]
+
+MODELS = ("glm5-hf", "glm5", "qwen3")
 
 
 @dataclasses.dataclass
 class DemoOptions:
-    model: str = "glm5"  # "glm5" (GLM-5.3-Flash-like) or "qwen3" (Qwen3.8-Flash-Next-like)
+    model: str = "glm5-hf"  # transformers' GLM-5.3-Flash on fcp; or fcp's examples "glm5"/"qwen3"
     steps: int = 200
-    seq_len: int = 512  # tokens per row (the global sequence, split over the CP ranks)
-    batch_size: int = 1
+    seq_len: int = 512  # tokens per row (each row is split over the CP ranks)
+    batch_size: int = 1  # rows per data-parallel replica; the global batch has dp * batch_size
+    dp: int = 1
+    cp: int = 4
     lr: float = 3e-3
     warmup: int = 10
     clip: float = 1.0
-    seed: int = 0  # data order; the model's init seed is its config's
+    seed: int = 0  # data order; the model's init seed is fixed
     compile: bool = True
-    backend: str = "aot_eager"  # fastest to compile on CPU; inductor unrolls KDA's chunk loop
-    reference: bool = True  # rank 0 also evaluates every step's weights without CP
-    twin: bool = True  # rank 0 also trains an independent non-CP twin (own optimizer)
+    # aot_eager: ~30 s to compile 4 ranks on 2 cores against ~200 s for inductor, whose ~1.3x
+    # faster steps do not pay that back within the demo's 200 steps (measured; see README)
+    backend: str = "aot_eager"
+    reference: bool = True  # rank 0: the same weights evaluated in one process ...
+    reference_every: int = 10  # ... at step 1, every this many steps, and the last step
+    twin: bool = True  # rank 0: an independent single-process run (own optimizer)
     optimizer: str = "adamw"  # or "sgd" (momentum 0.9): updates linear in the gradients
-    count_bytes: bool = True  # eager / non-aot_eager runs: one extra eager probe step
+    count_bytes: bool = True  # one eager probe step counting the operators' collectives
     device: str = "cpu"  # "cuda": this rank's current CUDA device (NCCL groups)
     progress: bool = True
     log_every: int = 10
     model_overrides: dict = dataclasses.field(default_factory=dict)
 
 
+def build(opts: DemoOptions) -> torch.nn.Module:
+    """The model of ``opts.model`` (the same weights on every rank: fixed init seeds)."""
+    if opts.model == "glm5-hf":
+        from examples.glm5_hf import Glm5NextLM
+
+        return Glm5NextLM.from_config(**opts.model_overrides)
+    from examples.models import build_model
+
+    return build_model(opts.model, **opts.model_overrides)
+
+
 # ---------------------------------------------------------------------------------------------
-# the training loop (every rank; rank 0 also runs the non-CP checks)
+# parallel layout
 # ---------------------------------------------------------------------------------------------
-def _loss_sum(model, input_ids, labels, ctx):
-    return token_loss_sum(model(input_ids, ctx), labels)
+@dataclasses.dataclass
+class Layout:
+    """Where this rank sits: its data-parallel replica, its CP group, the group FSDP and the loss
+    normalisation span (every rank), and the sizes."""
+
+    world: int
+    rank: int
+    dp: int
+    cp: int
+    dp_rank: int
+    cp_group: object  # 1-D DeviceMesh, ProcessGroup or None
+    all_ranks: object  # 1-D DeviceMesh over every rank, or None
+
+
+def make_layout(group, opts: DemoOptions) -> Layout:
+    """The (dp, cp) mesh over ``group`` (``None``: one process). With ``dp > 1`` the mesh spans
+    the default group (every process); with ``dp == 1`` any group works."""
+    if group is None:
+        if opts.dp * opts.cp != 1:
+            raise ValueError(f"dp={opts.dp} x cp={opts.cp} needs {opts.dp * opts.cp} ranks")
+        return Layout(1, 0, 1, 1, 0, None, None)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if opts.dp * opts.cp != world:
+        raise ValueError(f"dp={opts.dp} x cp={opts.cp} != {world} ranks")
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    device = "cuda" if opts.device == "cuda" else "cpu"
+    if opts.dp == 1:
+        mesh = DeviceMesh.from_group(group, device, mesh_dim_names=("cp",))
+        return Layout(world, rank, 1, world, 0, mesh, mesh)
+    mesh = init_device_mesh(device, (opts.dp, opts.cp), mesh_dim_names=("dp", "cp"))
+    flat = mesh["dp", "cp"]._flatten("dp_cp")
+    return Layout(world, rank, opts.dp, opts.cp, mesh["dp"].get_local_rank(), mesh["cp"], flat)
+
+
+def shard_model(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """FSDP2 over every rank (the flattened data x context mesh): each block, then the root."""
+    if layout.world == 1:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=layout.all_ranks)
+    fully_shard(model, mesh=layout.all_ranks)
+    return model
+
+
+def replica_rows(batch: dict, layout: Layout) -> dict:
+    """This data-parallel replica's rows of the global batch (dealt round-robin; ``seq_lens``
+    describes the packing, the one-row ``cu_seqlens`` is dropped)."""
+    return {k: v[layout.dp_rank :: layout.dp] for k, v in batch.items() if k != "cu_seqlens"}
+
+
+def loss_sum(model, input_ids, labels, ctx) -> torch.Tensor:
+    logits = model(input_ids, ctx)
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
 
 
 def _optimizer(model, opts: DemoOptions):
@@ -110,123 +184,129 @@ def _step_optimizer(model, opt, sched, clip):
     opt.zero_grad(set_to_none=True)
 
 
+def _full_state(model, layout: Layout) -> dict:
+    """Every parameter in full (a collective on every rank under FSDP)."""
+    if layout.world == 1:
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# the training loop (every rank; rank 0 also runs the single-process checks)
+# ---------------------------------------------------------------------------------------------
 def train(group, opts: DemoOptions, *, on_step=None) -> dict:
-    """Train ``opts.steps`` steps with CP over ``group`` (``None``: no CP) on this rank.
+    """Train ``opts.steps`` steps on the ``opts.dp x opts.cp`` ranks of ``group`` (``None``: one
+    process) and return on every rank ``{"records", "summary", "model"}``.
 
-    Every rank of ``group`` must call it with the same options. ``on_step(record)`` is called
-    on rank 0 after every step. Returns on every rank ``{"records": [...], "summary": {...},
-    "model": the CP model}``. A record holds the step's CP loss (summed over the ranks: the
-    global mean), its time, tokens per second and bytes sent; on rank 0 also
-
-    * ``loss_ref`` / ``rel_diff``: the same model, same weights, same batch, evaluated without
-      CP on the whole sequence (``opts.reference``): the exactness of CP, step after step;
-    * ``loss_twin`` / ``twin_rel_diff``: an independent non-CP training run from the same
-      initial weights with its own optimizer (``opts.twin``). It tracks the CP run to float32
-      rounding at first; like any two float32 trainings whose sums are ordered differently it
-      drifts away over hundreds of steps (chaotic amplification, not a CP error).
+    A record holds the step's global mean loss (``loss_cp``, the same on every rank), its time,
+    tokens per second and bytes sent; on rank 0 also ``loss_ref`` / ``rel_diff`` (the same
+    weights in one process) and ``loss_twin`` / ``twin_rel_diff`` (the independent
+    single-process run).
     """
-    rank = dist.get_rank(group) if group is not None else 0
-    world = dist.get_world_size(group) if group is not None else 1
+    layout = make_layout(group, opts)
+    rank, world = layout.rank, layout.world
     device = torch.device(opts.device)
-    model = build_model(opts.model, **opts.model_overrides).to(device)
+    model = build(opts).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    ref = copy.deepcopy(model) if (opts.reference and rank == 0) else None
     twin = copy.deepcopy(model) if (opts.twin and rank == 0) else None
+    model = shard_model(model, layout)
     opt, sched = _optimizer(model, opts)
     if twin is not None:
         twin_opt, twin_sched = _optimizer(twin, opts)
+    rows = opts.batch_size * layout.dp
+    data = iter(PackedDocuments(opts.seq_len, rows, seed=opts.seed))
+    pad_multiple = model.pad_multiple
+
+    probe = None
+    if opts.count_bytes:
+        # One eager forward + backward counted by a dispatch mode before anything is compiled
+        # (every step has the same shapes, hence the same collectives).
+        first = replica_rows(PackedDocuments(opts.seq_len, rows, seed=opts.seed).batches(1)[0],
+                             layout)  # fmt: skip
+        first = {k: v.to(device) for k, v in first.items()}
+        local, ctx = fcp.shard_batch(layout.cp_group, first, pad_multiple=pad_multiple)
+        with CommBytes(rank, world) as probe:
+            loss_sum(model, local["input_ids"], local["labels"], ctx).backward()
+        model.zero_grad(set_to_none=True)
 
     backend = CountingBackend(opts.backend, rank, world)
     counts_before = dynamo_counts()
-    step_fn = _loss_sum
     if opts.compile:
-        step_fn = torch.compile(_loss_sum, fullgraph=True, backend=backend)
-    data = iter(PackedDocuments(opts.seq_len, opts.batch_size, seed=opts.seed))
-    n_params = sum(p.numel() for p in model.parameters())
-    pad_multiple = model.pad_multiple
-    probe = None
-    if opts.count_bytes and not (opts.compile and backend.counts_bytes):
-        # Eager, or a backend whose graphs we do not read: count one eager forward + backward
-        # under CommBytes first (every step has the same shapes, hence the same collectives;
-        # a dispatch mode on every step would slow eager steps down several times).
-        first = PackedDocuments(opts.seq_len, opts.batch_size, seed=opts.seed).batches(1)[0]
-        first = {k: v.to(device) for k, v in first.items()}
-        local, ctx = fcp.shard_batch(group, first, pad_multiple=pad_multiple)
-        with CommBytes(rank, world) as probe:
-            _loss_sum(model, local["input_ids"], local["labels"], ctx).backward()
-        model.zero_grad(set_to_none=True)
+        for mixer in model.mixers():  # the fcp-backed token mixers, each one graph
+            mixer.compile(fullgraph=True, backend=backend, dynamic=False)
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    records = []
+    records, graphs_after_first = [], None
     for step in range(opts.steps):
-        batch = next(data)  # the same full batch on every rank
-        n_tokens = count_loss_tokens(batch["labels"])
-        real_tokens = int((fcp.doc_ids_from_seq_lens(batch["seq_lens"], opts.seq_len) > 0).sum())
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(device) for k, v in next(data).items()}  # the global batch
         record = {"step": step + 1}
 
-        # --- CP step: forward + backward on this rank's slice, grads summed over the group ----
+        # --- the parallel step ------------------------------------------------------------------
         t0 = time.perf_counter()
-        local, ctx = fcp.shard_batch(group, batch, pad_multiple=pad_multiple)
-        sent0, calls0 = backend.sent, backend.calls
-        loss = step_fn(model, local["input_ids"], local["labels"], ctx) / n_tokens
-        loss.backward()
-        loss_cp = all_reduce_grads(model, group, extra=loss.detach())
+        mine = replica_rows(batch, layout)
+        local, ctx = fcp.shard_batch(layout.cp_group, mine, pad_multiple=pad_multiple)
+        total = loss_sum(model, local["input_ids"], local["labels"], ctx)
+        loss = global_token_mean(total, loss_token_count(local["labels"]), layout.all_ranks,
+                                 gradient_divide_factor=world)  # fmt: skip
+        loss.backward.backward()
         sync()
         t_cp = time.perf_counter() - t0
 
-        # --- the same weights and batch without CP (rank 0, before the optimizer step) -------
-        need_full = rank == 0 and (opts.reference or twin is not None)
-        if need_full:
-            full, ctx1 = fcp.shard_batch(None, batch, pad_multiple=pad_multiple)
-        if opts.reference and rank == 0:
-            t1 = time.perf_counter()
+        # --- the same weights in one process (rank 0, before the optimizer step) --------------
+        check = opts.reference and (
+            step == 0 or (step + 1) % max(opts.reference_every, 1) == 0 or step + 1 == opts.steps
+        )
+        full_state = _full_state(model, layout) if check else None
+        single = None
+        if rank == 0 and (ref is not None or twin is not None):
+            single, ctx1 = fcp.shard_batch(None, batch, pad_multiple=pad_multiple)
+            n_global = loss_token_count(single["labels"]).clamp(min=1)
+        if ref is not None and check:
+            ref.load_state_dict(full_state)
             with torch.no_grad():
-                loss_ref = _loss_sum(model, full["input_ids"], full["labels"], ctx1) / n_tokens
-            sync()
-            record["time_ref_s"] = time.perf_counter() - t1
+                loss_ref = loss_sum(ref, single["input_ids"], single["labels"], ctx1) / n_global
             record["loss_ref"] = float(loss_ref)
 
         t2 = time.perf_counter()
-        grad_numel = sum(p.numel() for p in model.parameters() if p.grad is not None)
         _step_optimizer(model, opt, sched, opts.clip)
         sync()
         t_cp += time.perf_counter() - t2
 
-        if probe is not None:
-            op_bytes, op_calls = probe.sent, probe.calls
-        elif opts.count_bytes:
-            op_bytes, op_calls = backend.sent - sent0, backend.calls - calls0
-        else:
-            op_bytes = op_calls = None
+        tokens = rows * opts.seq_len
         record.update(
-            loss_cp=float(loss_cp),
+            loss_cp=float(loss.value),
             time_cp_s=t_cp,
-            tokens=opts.batch_size * opts.seq_len,
-            real_tokens=real_tokens,
-            tokens_per_s=opts.batch_size * opts.seq_len / t_cp,
-            op_bytes=op_bytes,
-            grad_bytes=2 * (grad_numel + 1) * 4 * (world - 1) // world if world > 1 else 0,
-            collectives=op_calls,
+            tokens=tokens,
+            tokens_per_s=tokens / t_cp,
+            op_bytes=probe.sent if probe is not None else None,
+            collectives=probe.calls if probe is not None else None,
+            # FSDP2: parameters all-gathered in forward and again in backward, gradients
+            # reduce-scattered: (world - 1) / world of the fp32 parameter bytes each time
+            fsdp_bytes=3 * 4 * n_params * (world - 1) // world,
             graphs=backend.graphs,
         )
         if "loss_ref" in record:
-            ref = record["loss_ref"]
-            record["rel_diff"] = abs(record["loss_cp"] - ref) / abs(ref)
+            record["rel_diff"] = abs(record["loss_cp"] - record["loss_ref"]) / abs(record["loss_ref"])
 
-        # --- the independent non-CP twin: own weights, own optimizer (rank 0) ----------------
+        # --- the independent single-process twin (rank 0) --------------------------------------
         if twin is not None:
             t3 = time.perf_counter()
-            loss_twin = _loss_sum(twin, full["input_ids"], full["labels"], ctx1) / n_tokens
-            loss_twin.backward()
+            twin_loss = loss_sum(twin, single["input_ids"], single["labels"], ctx1) / n_global
+            twin_loss.backward()
             _step_optimizer(twin, twin_opt, twin_sched, opts.clip)
-            sync()
             record["time_twin_s"] = time.perf_counter() - t3
-            record["loss_twin"] = float(loss_twin.detach())
+            record["loss_twin"] = float(twin_loss.detach())
             record["twin_rel_diff"] = abs(record["loss_cp"] - record["loss_twin"]) / abs(
                 record["loss_twin"]
             )
+        if step == 0:
+            graphs_after_first = backend.graphs
         records.append(record)
         if rank == 0 and on_step is not None:
             on_step(record)
@@ -234,20 +314,24 @@ def train(group, opts: DemoOptions, *, on_step=None) -> dict:
     counts = {k: v - counts_before[k] for k, v in dynamo_counts().items()}
     summary = {
         "model": opts.model,
-        "layers": list(model.cfg.layers),
+        "layers": _layer_names(model),
         "params": n_params,
-        "cp": world,
+        "dp": layout.dp,
+        "cp": layout.cp,
         "graphs_compiled": backend.graphs,
-        "recompiles": max(backend.graphs - 1, 0),
+        "recompiles": backend.graphs - (graphs_after_first or 0),
         **counts,
     }
-    if twin is not None:
-        with torch.no_grad():
-            summary["twin_param_rel_diff"] = max(
-                float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-                for a, b in zip(model.parameters(), twin.parameters())
-            )
     return {"records": records, "summary": summary, "model": model}
+
+
+def _layer_names(model) -> list[str]:
+    names = []
+    for mixer in model.mixers():
+        n = type(mixer).__name__
+        names.append("kda" if ("Linear" in n or "KDA" in n) else
+                     "dsa" if ("Glm5Attention" in n or "Sparse" in n) else n)  # fmt: skip
+    return names
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,12 +357,16 @@ def write_report(result: dict, opts: DemoOptions, out_dir: Path, wall_s: float) 
     steps = [r["step"] for r in recs]
     has_ref, has_twin = "loss_ref" in recs[0], "loss_twin" in recs[0]
 
-    keys = list(recs[0])
+    keys = list(dict.fromkeys(k for r in recs for k in r))
+    checked = [r for r in recs if "loss_ref" in r]  # the steps with a same-weights check
+
+    def cell(v):
+        return "" if v is None else f"{v:.9g}" if isinstance(v, float) else str(v)
+
     with open(out_dir / "steps.csv", "w") as f:
         f.write(",".join(keys) + "\n")
         for r in recs:
-            f.write(",".join(f"{r[k]:.9g}" if isinstance(r[k], float) else str(r[k]) for k in keys))
-            f.write("\n")
+            f.write(",".join(cell(r.get(k)) for k in keys) + "\n")
 
     import matplotlib
 
@@ -286,11 +374,12 @@ def write_report(result: dict, opts: DemoOptions, out_dir: Path, wall_s: float) 
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.2))
-    ax1.plot(steps, [r["loss_cp"] for r in recs], label=f"CP over {summ['cp']} ranks", lw=2)
+    ax1.plot(steps, [r["loss_cp"] for r in recs], label=f"dp {summ['dp']} x cp {summ['cp']}", lw=2)
     if has_ref:
-        ax1.plot(steps, [r["loss_ref"] for r in recs], "--", lw=1.5, label="no CP, same weights")
+        ax1.plot([r["step"] for r in checked], [r["loss_ref"] for r in checked], "x", ms=4,
+                 label="one process, same weights")  # fmt: skip
     if has_twin:
-        ax1.plot(steps, [r["loss_twin"] for r in recs], ":", lw=1.5, label="no CP, twin run")
+        ax1.plot(steps, [r["loss_twin"] for r in recs], ":", lw=1.5, label="one process, twin run")
     ax1.set_xlabel("step")
     ax1.set_ylabel("loss (nats / byte)")
     ax1.set_title(f"{summ['model']}: training loss")
@@ -298,23 +387,26 @@ def write_report(result: dict, opts: DemoOptions, out_dir: Path, wall_s: float) 
 
     floor = 1e-9  # bitwise-equal steps are drawn here
     for key, label, style in (
-        ("rel_diff", "no CP, same weights", "o"),
-        ("twin_rel_diff", "no CP, twin run", "."),
+        ("rel_diff", "one process, same weights", "o"),
+        ("twin_rel_diff", "one process, twin run", "."),
     ):
-        if key in recs[0]:
-            ax2.semilogy(steps, [max(r[key], floor) for r in recs], style, ms=3, label=label)
+        rs = [r for r in recs if key in r]
+        if rs:
+            ax2.semilogy([r["step"] for r in rs], [max(r[key], floor) for r in rs], style, ms=3,
+                         label=label)  # fmt: skip
     if has_ref or has_twin:
         ax2.axhline(1e-4, color="red", lw=0.8, ls=":", label="1e-4")
         ax2.set_ylim(floor / 2, None)
         ax2.legend(fontsize=8)
     ax2.set_xlabel("step")
-    ax2.set_title(f"|loss CP - loss no CP| / loss (drawn at {floor:g}: bitwise equal)", fontsize=10)
+    ax2.set_title(f"|loss parallel - loss one process| / loss (at {floor:g}: bitwise equal)",
+                  fontsize=10)  # fmt: skip
     later = recs[1:] or recs
     ax3.plot([r["step"] for r in later], [r["tokens_per_s"] for r in later], lw=1)
     ax3.set_ylim(bottom=0)
     ax3.set_xlabel("step")
     ax3.set_ylabel("tokens / s")
-    ax3.set_title(f"CP step throughput (step 1, compiling: {recs[0]['time_cp_s']:.0f} s)",
+    ax3.set_title(f"step throughput (step 1, compiling: {recs[0]['time_cp_s']:.0f} s)",
                   fontsize=10)
     fig.tight_layout()
     fig.savefig(out_dir / "curves.png", dpi=100)
@@ -323,7 +415,7 @@ def write_report(result: dict, opts: DemoOptions, out_dir: Path, wall_s: float) 
     tps = _median([r["tokens_per_s"] for r in later])
     last = recs[-1]
     compiled = (
-        f"`torch.compile(fullgraph=True, backend={opts.backend!r})`"
+        f"token mixers under `torch.compile(fullgraph=True, backend={opts.backend!r})`"
         if opts.compile
         else "eager (no torch.compile)"
     )
@@ -331,28 +423,30 @@ def write_report(result: dict, opts: DemoOptions, out_dir: Path, wall_s: float) 
         "# fcp demo report",
         "",
         f"Model `{summ['model']}` ({' -> '.join(summ['layers'])}; {summ['params']:,} parameters), "
-        f"{len(recs)} AdamW steps of {opts.batch_size} x {opts.seq_len} byte tokens of Python "
-        f"standard-library source, context parallelism over **{summ['cp']} gloo ranks**, "
-        f"{compiled}. Wall time {wall_s:.0f} s.",
+        f"{len(recs)} {opts.optimizer} steps of {summ['dp'] * opts.batch_size} x {opts.seq_len} "
+        f"byte tokens of Python standard-library source, **data parallel {summ['dp']} x context "
+        f"parallel {summ['cp']}** on {summ['dp'] * summ['cp']} gloo ranks, FSDP2 over all of "
+        f"them, {compiled}. Wall time {wall_s:.0f} s.",
         "",
         "| | value |",
         "|---|---|",
-        f"| loss with CP, first / last step | {recs[0]['loss_cp']:.6f} / {last['loss_cp']:.6f} |",
+        f"| loss, first / last step | {recs[0]['loss_cp']:.6f} / {last['loss_cp']:.6f} |",
     ]
     if has_ref:
-        worst = max(recs, key=lambda r: r["rel_diff"])
-        exact = sum(r["rel_diff"] == 0 for r in recs)
+        worst = max(checked, key=lambda r: r["rel_diff"])
+        exact = sum(r["rel_diff"] == 0 for r in checked)
         lines += [
-            f"| loss without CP (same weights), first / last | {recs[0]['loss_ref']:.6f} / "
+            f"| loss in one process (same weights), first / last | {recs[0]['loss_ref']:.6f} / "
             f"{last['loss_ref']:.6f} |",
-            f"| max relative difference, CP vs no CP (same weights) | {worst['rel_diff']:.1e} "
-            f"(step {worst['step']}); bitwise equal at {exact} of {len(recs)} steps |",
+            f"| max relative difference vs one process (same weights) | {worst['rel_diff']:.1e} "
+            f"(step {worst['step']}); bitwise equal at {exact} of {len(checked)} checked steps |",
         ]
     if has_twin:
         first_bad = next((r["step"] for r in recs if r["twin_rel_diff"] >= 1e-4), None)
         lines += [
-            f"| loss of the independent non-CP twin, last step | {last['loss_twin']:.6f} |",
-            f"| CP vs twin relative difference, max / last | "
+            f"| loss of the independent single-process twin, last step | "
+            f"{last['loss_twin']:.6f} |",
+            f"| max relative difference vs single process (twin), max / last | "
             f"{max(r['twin_rel_diff'] for r in recs):.1e} / {last['twin_rel_diff']:.1e}"
             + (f" (below 1e-4 through step {first_bad - 1})" if first_bad else "")
             + " |",
@@ -363,19 +457,21 @@ def write_report(result: dict, opts: DemoOptions, out_dir: Path, wall_s: float) 
         else "not counted"
     )
     lines += [
-        f"| tokens / s (CP step, median after step 1) | {tps:,.0f} |",
-        f"| bytes sent per rank per step, operators | {op} |",
-        f"| bytes sent per rank per step, gradient all-reduce | {_fmt_bytes(last['grad_bytes'])} |",
-        f"| graphs compiled / recompiles / graph breaks | {summ['graphs_compiled']} / "
-        f"{summ['recompiles']} / {summ['graph_breaks']} |",
+        f"| tokens / s (median after step 1) | {tps:,.0f} |",
+        f"| bytes sent per rank per step, fcp's operators (CP) | {op} |",
+        f"| bytes sent per rank per step, FSDP2 (parameters, gradients) | "
+        f"{_fmt_bytes(last['fsdp_bytes'])} |",
+        f"| graphs compiled (one per token mixer) / recompilations after step 1 / graph breaks | "
+        f"{summ['graphs_compiled']} / {summ['recompiles']} / {summ['graph_breaks']} |",
         "",
         "![loss, CP vs no CP, throughput](curves.png)",
         "",
-        "*No CP, same weights*: rank 0 runs the same model with the CP run's current weights on "
-        "the whole batch before each optimizer step; the difference is float32 rounding only. "
-        "*Twin*: an independent non-CP run (same initial weights and batches, its own optimizer); "
-        "training amplifies rounding differences chaotically, so it drifts away from the CP run "
-        "after ~100 steps, exactly as two non-CP runs with different kernel chunk sizes do.",
+        "*One process, same weights*: rank 0 gathers the current parameters and runs the model "
+        "on the whole global batch before each optimizer step; the difference is float32 "
+        "rounding only. *Twin*: an independent single-process run (same initial weights and "
+        "batches, its own optimizer); training amplifies rounding differences chaotically, so "
+        "over hundreds of steps it drifts away, as two single-process runs whose sums are "
+        "ordered differently do.",
         "",
         "Every step's numbers are in `steps.csv`. Throughput is measured on rank 0 of ranks "
         "sharing the CPU with each other and with rank 0's checks: a smoke number, not a "
@@ -391,14 +487,14 @@ def write_report(result: dict, opts: DemoOptions, out_dir: Path, wall_s: float) 
 # entry points
 # ---------------------------------------------------------------------------------------------
 def _log_line(r: dict) -> str:
-    line = f"step {r['step']:4d} | loss CP {r['loss_cp']:.6f}"
+    line = f"step {r['step']:4d} | loss {r['loss_cp']:.6f}"
     if "loss_ref" in r:
-        line += f" | no CP {r['loss_ref']:.6f} (rel {r['rel_diff']:.0e})"
+        line += f" | same weights, one process {r['loss_ref']:.6f} (rel {r['rel_diff']:.0e})"
     if "loss_twin" in r:
         line += f" | twin {r['loss_twin']:.6f} (rel {r['twin_rel_diff']:.0e})"
     line += f" | {r['tokens_per_s']:5.0f} tok/s"
     if r["op_bytes"] is not None:
-        line += f" | sent/rank {_fmt_bytes(r['op_bytes'] + r['grad_bytes'])}"
+        line += f" | sent/rank {_fmt_bytes(r['op_bytes'] + r['fsdp_bytes'])}"
     return line + f" | graphs {r['graphs']}"
 
 
@@ -411,17 +507,18 @@ def run(rank: int, world: int, opts: DemoOptions, out_dir: Path) -> dict | None:
     group = dist.group.WORLD if world > 1 else None
     bar = None
     if rank == 0:
-        checks = [n for n, on in (("same-weights no-CP check", opts.reference),
-                                  ("non-CP twin", opts.twin)) if on]
+        checks = [n for n, on in (("same-weights single-process check", opts.reference),
+                                  ("single-process twin", opts.twin)) if on]  # fmt: skip
         print(
-            f"fcp demo: {opts.model} model, {opts.steps} steps, CP over {world} ranks, "
-            f"{opts.batch_size} x {opts.seq_len} tokens per step"
+            f"fcp demo: {opts.model} model, {opts.steps} steps, data parallel {opts.dp} x "
+            f"context parallel {opts.cp} on {world} rank(s), "
+            f"{opts.dp * opts.batch_size} x {opts.seq_len} tokens per step"
             + (f"; rank 0 also runs the {' and the '.join(checks)}" if checks else ""),
             flush=True,
         )
         if opts.compile:
-            print(f"compiling (torch.compile, backend {opts.backend!r}) on every rank ...",
-                  flush=True)
+            print(f"compiling the token mixers (torch.compile, backend {opts.backend!r}) on every "
+                  "rank ...", flush=True)  # fmt: skip
         if opts.progress:
             from tqdm import tqdm
 
@@ -432,9 +529,9 @@ def run(rank: int, world: int, opts: DemoOptions, out_dir: Path) -> dict | None:
         if r["step"] <= 3 or r["step"] % opts.log_every == 0 or r["step"] == opts.steps:
             write(_log_line(r))
         if bar is not None:
-            post = {"CP": f"{r['loss_cp']:.4f}"}
+            post = {"loss": f"{r['loss_cp']:.4f}"}
             if "loss_ref" in r:
-                post.update(noCP=f"{r['loss_ref']:.4f}", rel=f"{r['rel_diff']:.0e}")
+                post.update(rel=f"{r['rel_diff']:.0e}")
             bar.set_postfix(post, refresh=False)
             bar.update(1)
 
@@ -446,18 +543,23 @@ def run(rank: int, world: int, opts: DemoOptions, out_dir: Path) -> dict | None:
     if rank != 0:
         return None
     s, recs = result["summary"], result["records"]
-    msg = f"done in {wall:.0f} s: last loss CP {recs[-1]['loss_cp']:.6f}"
-    if opts.reference:
-        msg += (f", no CP (same weights) {recs[-1]['loss_ref']:.6f}; max relative difference "
-                f"over {len(recs)} steps {max(r['rel_diff'] for r in recs):.1e}")
-    if opts.twin:
-        msg += f"; twin {recs[-1]['loss_twin']:.6f}"
+    msg = f"done in {wall:.0f} s: last loss {recs[-1]['loss_cp']:.6f}"
+    checked = [r for r in recs if "rel_diff" in r]
+    if checked:
+        msg += (f"; one process with the same weights {checked[-1]['loss_ref']:.6f}, max relative "
+                f"difference over {len(checked)} checked steps "
+                f"{max(r['rel_diff'] for r in checked):.1e} (float32 rounding)")
     print(msg)
-    print(f"graphs compiled {s['graphs_compiled']}, recompiles {s['recompiles']}, "
-          f"graph breaks {s['graph_breaks']}")
+    print(f"graphs compiled {s['graphs_compiled']} (one per token mixer), recompilations after "
+          f"step 1 {s['recompiles']}, graph breaks {s['graph_breaks']}")
     path = write_report(result, opts, out_dir, wall)
     print(f"report: {path}  (plot: {path.parent / 'curves.png'}, every step: "
           f"{path.parent / 'steps.csv'})")
+    if opts.twin:
+        worst = max(r["twin_rel_diff"] for r in recs)
+        print(f"single-process twin: last loss {recs[-1]['loss_twin']:.6f} (independent training; "
+              "float32 rounding drifts apart over many steps)")
+        print(f"max relative difference vs single process: {worst:.3e}")
     return result
 
 
@@ -475,49 +577,62 @@ def _worker(rank: int, world: int, store_path: str, opts: DemoOptions, out_dir: 
         dist.destroy_process_group()
 
 
-def parse_args(argv=None) -> tuple[DemoOptions, int, Path]:
+def parse_args(argv=None) -> tuple[DemoOptions, Path]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=("glm5", "qwen3"), default="glm5")
+    p.add_argument("--model", choices=MODELS, default="glm5-hf",
+                   help="glm5-hf: transformers' GLM-5.3-Flash on fcp (default); glm5 / qwen3: "
+                        "fcp's home-made example models")  # fmt: skip
     p.add_argument("--layers", default=None,
-                   help="comma-separated mixers overriding the model's, e.g. kda,sparse")
+                   help="glm5/qwen3 only: comma-separated mixers, e.g. kda,sparse")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--cp", type=int, default=4, help="CP ranks to spawn (ignored under torchrun)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--cp", type=int, default=4, help="context-parallel ranks per replica")
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1, help="rows per data-parallel replica")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="aot_eager", help="torch.compile backend")
+    p.add_argument("--backend", default="aot_eager",
+                   help="torch.compile backend (inductor: slower to compile, faster steps)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per rank, NCCL")
     p.add_argument("--no-reference", action="store_true",
-                   help="skip rank 0's same-weights no-CP loss")
-    p.add_argument("--no-twin", action="store_true", help="skip rank 0's independent no-CP run")
+                   help="skip rank 0's same-weights single-process loss")
+    p.add_argument("--reference-every", type=int, default=10,
+                   help="steps between same-weights checks (each gathers the full parameters)")
+    p.add_argument("--no-twin", action="store_true",
+                   help="skip rank 0's independent single-process run")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", type=Path, default=REPO / "reports" / "demo")
     a = p.parse_args(argv)
+    if a.layers and a.model == "glm5-hf":
+        p.error("--layers applies to the glm5 / qwen3 example models")
     opts = DemoOptions(
         model=a.model,
         steps=a.steps,
         seq_len=a.seq_len,
         batch_size=a.batch_size,
+        dp=a.dp,
+        cp=a.cp,
         lr=a.lr,
         seed=a.seed,
         compile=not a.no_compile,
         backend=a.backend,
         reference=not a.no_reference,
+        reference_every=a.reference_every,
         twin=not a.no_twin,
         progress=not a.no_progress,
         log_every=max(a.log_every, 1),
         device=a.device,
         model_overrides={"layers": tuple(a.layers.split(","))} if a.layers else {},
     )
-    return opts, a.cp, a.out
+    return opts, a.out
 
 
 def main(argv=None) -> None:
-    opts, world, out_dir = parse_args(argv)
+    opts, out_dir = parse_args(argv)
+    world = opts.dp * opts.cp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         dist.init_process_group(
             "nccl" if opts.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=600)

@@ -21,8 +21,8 @@ all-gathers its own KV latent (the smallest tensor that determines K and V); eve
 passes have no host synchronisation and no data-dependent shapes, so
 ``torch.compile(fullgraph=True)`` traces them once and a new packing never recompiles.
 
-Under CP, parameter gradients are per-rank partial sums: :func:`all_reduce_grads` sums them over
-the CP group before the optimizer step (the same reduction data parallelism does).
+Under CP, parameter gradients are per-rank partial sums: the data-parallel gradient reduction
+over the CP ranks (FSDP2 over the data x context mesh in the demo) sums them.
 
 The attention layers use no positional encoding (NoPE): the KDA layers before them carry order,
 as in Kimi Linear and GLM-5.3-Flash. The DSA indexer's parameters are frozen: its selection is
@@ -36,7 +36,6 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -56,7 +55,6 @@ __all__ = [
     "build_model",
     "token_loss_sum",
     "count_loss_tokens",
-    "all_reduce_grads",
 ]
 
 IGNORE_INDEX = -100
@@ -306,6 +304,10 @@ class HybridLM(nn.Module):
     def pad_multiple(self) -> int:
         return self.cfg.pad_multiple
 
+    def mixers(self) -> list[nn.Module]:
+        """The token mixers (the fcp-backed modules the demo compiles)."""
+        return [block.mixer for block in self.blocks]
+
     def forward(self, input_ids: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         x = self.embed(input_ids)
         for block in self.blocks:
@@ -351,27 +353,3 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def count_loss_tokens(labels: torch.Tensor) -> int:
     """Labelled tokens of a (replicated, full) batch: the global loss denominator."""
     return int((labels != IGNORE_INDEX).sum())
-
-
-def all_reduce_grads(
-    model: nn.Module, group=None, extra: torch.Tensor | None = None
-) -> torch.Tensor | None:
-    """Sum every parameter gradient over the CP ``group`` with one flat all-reduce (eager).
-
-    ``extra`` (e.g. the detached local loss) rides along in the same buffer; its sum over the
-    group is returned. No-op (returns ``extra``) when ``group`` is ``None`` or of size 1.
-    Parameters without a gradient on every rank (the frozen DSA indexer's) are skipped.
-    """
-    if group is None or dist.get_world_size(group) == 1:
-        return extra
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    parts = [g.reshape(-1) for g in grads]
-    if extra is not None:
-        parts.append(extra.detach().reshape(-1).to(grads[0].dtype if grads else torch.float32))
-    flat = torch.cat(parts)
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-    return flat[offset:].view_as(extra) if extra is not None else None

@@ -18,8 +18,8 @@ def train_on_ranks(env, opts: dict, fresh_compile: bool = False) -> dict:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
     out = train(env.group, DemoOptions(**opts))
-    return {
-        "records": out["records"],
-        "summary": out["summary"],
-        "params": {k: v.detach().clone() for k, v in out["model"].named_parameters()},
-    }
+    params = {}
+    for k, v in out["model"].named_parameters():  # FSDP2 shards: gather each in full
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        params[k] = v.detach().clone()
+    return {"records": out["records"], "summary": out["summary"], "params": params}

@@ -9,6 +9,13 @@ import torch
 import fcp
 from fcp.loss import global_token_mean, loss_token_count
 
+#: Adam divides each gradient entry by its own magnitude: with the default eps (1e-8) an entry
+#: whose gradient is ~1e-8 (a tiny model's hyper-connection mixes have some) turns float32
+#: rounding of that gradient into an O(lr) difference of its update. eps = 1e-6 bounds that
+#: amplification, so the comparison measures the parallel gradients, not Adam's conditioning.
+ADAM_EPS = 1e-6
+
+
 
 def dp_cp_mesh(dp: int, cp: int):
     """A ``("dp", "cp")`` CPU mesh over the default group's ranks and its flattened 1-D view."""
@@ -42,7 +49,7 @@ def fsdp_train(env, model_fn, batches, dp: int, cp: int, lr: float, checkpoint=N
     mesh, flat = dp_cp_mesh(dp, cp)
     torch.manual_seed(0)
     model = shard_model(model_fn(), flat)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=ADAM_EPS)
     losses = []
     for step, batch in enumerate(batches):
         rows = dp_rows(batch, dp, mesh["dp"].get_local_rank())
@@ -71,7 +78,7 @@ def _save_and_reload(model, opt, model_fn, flat, path, lr):
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     torch.manual_seed(123)  # a different init: everything must come from the checkpoint
     model = shard_model(model_fn(), flat)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=ADAM_EPS)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
@@ -83,7 +90,7 @@ def single_process_train(model_fn, batches, lr: float):
     """The same steps in one process on the whole global batch: the reference."""
     torch.manual_seed(0)
     model = model_fn()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=ADAM_EPS)
     losses = []
     for batch in batches:
         local, ctx = fcp.shard_batch(None, batch, pad_multiple=model.pad_multiple)
