@@ -93,7 +93,13 @@ def main(argv=None) -> Path:
     q = args.quick
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks import bench_attention, bench_comm, bench_index_attention, bench_scaling
+    from benchmarks import (
+        bench_attention,
+        bench_comm,
+        bench_gdn,
+        bench_index_attention,
+        bench_scaling,
+    )
 
     sections = []
     print("collectives ...", flush=True)
@@ -119,6 +125,11 @@ def main(argv=None) -> Path:
                 if q else ["--lengths", "1024", "2048", "4096", "8192", "--chunk-max", "4096",
                            "--no-compile"])
     sections.append(("KDA vs FLA's naive references (CPU)", _script("bench_kda.py", kda_args)))
+    print("GDN ...", flush=True)
+    gdn_rows, text = _capture(bench_gdn.main, ["--lengths", *(["1024", "2048"] if q else
+                                                            ["1024", "2048", "4096", "8192"]),
+                                               "--repeats", "3" if q else "5"])  # fmt: skip
+    sections.append(("Gated DeltaNet: scalar gate vs the gate broadcast to [.., K] (CPU)", text))
     print("layout ...", flush=True)
     sections.append(("Layout and sharding at 1M tokens / 100k documents",
                      _script("bench_layout.py", ["--repeats", "5" if q else "15",
@@ -151,6 +162,10 @@ def main(argv=None) -> Path:
     for r in bench_index_attention.cp_bytes():
         head.append(f"| {r['model']} under CP: bytes / full K/V gather | "
                     f"{r['fcp'] / r['full_kv']:.3f} |")
+    r = max(gdn_rows, key=lambda r: r["seq"])
+    head.append(f"| GDN scalar gate vs gate broadcast to K ({r['seq']} tokens, K=V=128): time / "
+                f"peak memory / saved activations, broadcast over scalar | {r['time_ratio']:.2f}x "
+                f"/ {r['peak_ratio']:.2f}x / {r['saved_ratio']:.2f}x |")
     for r in sc_rows:
         if r["world"] > 1:
             base = next(b for b in sc_rows if b["tokens"] == r["tokens"] and b["world"] == 1)

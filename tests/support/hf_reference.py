@@ -1,5 +1,8 @@
 """transformers' own models run on each document alone: the oracle of fcp's integrations.
 
+Families (:func:`build`): ``"glm5_next"`` (GLM-5.3-Flash), ``"kimi_linear"`` (Kimi-Linear),
+``"qwen3_next"`` (Qwen3-Next), each with a tiny configuration below.
+
 transformers binds its hybrid models' recurrent kernels to FLA's Triton kernels whenever FLA is
 importable, and those fail on a CPU; with FLA blocked (``sys.modules["fla"] = None`` before
 transformers is imported) it uses its pure-PyTorch fallbacks. Blocking is process-wide, so the
@@ -7,7 +10,8 @@ reference runs in a fresh subprocess: ``python -m tests.support.hf_reference IN 
 
 :func:`per_document` (called from the test process) writes the job, runs the subprocess, and
 returns for every document its output (``last_hidden_state`` ``[n, hidden]``) and the gradient
-of ``sum(output * cotangent)`` for every parameter.
+of ``sum(output * cotangent)`` for every parameter; :func:`per_document_jobs` runs several
+models in one subprocess (one transformers import).
 
 Ties. GLM-5.3-Flash's indexer takes ``torch.topk`` of scores with a ``relu`` inside, so equal
 scores (often exact zeros) at the selection boundary are common, and ``torch.topk`` leaves their
@@ -38,26 +42,68 @@ GLM5_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_inter
                  linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4, hc_mult=2,
                  hc_sinkhorn_iters=3, pad_token_id=0)  # fmt: skip
 
+#: Tiny Kimi-Linear: KDA, NoPE MLA (kv latent 16, rope part 8, queries without LoRA), KDA.
+KIMI_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                 num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+                                                   "linear_attention"],
+                 mlp_layer_types=["dense", "sparse", "dense"], num_attention_heads=2,
+                 num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                 qk_rope_head_dim=8, v_head_dim=8, linear_num_heads=2, linear_head_dim=8,
+                 linear_conv_kernel_dim=4, num_local_experts=4, num_experts_per_tok=2, n_group=1,
+                 topk_group=1, n_shared_experts=1, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2)  # fmt: skip
+
+#: Tiny Qwen3-Next: Gated DeltaNet (2 key heads, 4 value heads), gated GQA attention (4 query
+#: heads, 2 kv heads, head_dim 16, partial rotary 0.25: 4 rotated channels), Gated DeltaNet.
+QWEN3_NEXT_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                       layer_types=["linear_attention", "full_attention", "linear_attention"],
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                       linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16, pad_token_id=0)  # fmt: skip
+
 #: Parameters whose default initialisation makes terms of the formulas vanish (all-ones gates,
-#: zero positional terms): the tests perturb them so every term matters.
+#: zero positional terms, zero-centred norms): the tests perturb them so every term matters.
 _PERTURB = ("index_kpool_compress", "k_norm", "A_log", "dt_bias", "o_norm", "layernorm",
             "attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale", "conv1d")  # fmt: skip
+_PERTURB_BY_FAMILY = {
+    "glm5_next": _PERTURB,
+    "kimi_linear": ("A_log", "dt_bias", "o_norm", "layernorm", "conv1d"),
+    "qwen3_next": ("A_log", "dt_bias", "norm", "conv1d"),
+}
+
+
+def _model_class(family: str):
+    if family == "glm5_next":
+        from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+        return Glm5NextTextConfig, Glm5NextTextModel
+    if family == "kimi_linear":
+        from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+        from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearModel
+
+        return KimiLinearConfig, KimiLinearModel
+    if family == "qwen3_next":
+        from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextModel
+
+        return Qwen3NextConfig, Qwen3NextModel
+    raise ValueError(f"unknown family {family!r}")
 
 
 def build(family: str, config: dict, seed: int = 0):
-    """A randomly initialised fp32 backbone of ``family`` (``"glm5_next"``), eval mode."""
-    if family != "glm5_next":
-        raise ValueError(f"unknown family {family!r}")
-    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
-    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
-
+    """A randomly initialised fp32 backbone of ``family`` (``"glm5_next"``, ``"kimi_linear"``,
+    ``"qwen3_next"``), eval mode, eager attention."""
+    config_class, model_class = _model_class(family)
     torch.manual_seed(seed)
-    cfg = Glm5NextTextConfig(**config)
+    cfg = config_class(**config)
     cfg._attn_implementation = "eager"
-    model = Glm5NextTextModel(cfg).eval()
+    model = model_class(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if any(s in name for s in _PERTURB):
+            if any(s in name for s in _PERTURB_BY_FAMILY[family]):
                 p.add_(0.3 * torch.randn_like(p))
     return model
 
@@ -126,10 +172,17 @@ def per_document(family: str, config: dict, state_dict: dict, documents: list, c
     document), "tie_rows", "indexed_rows", "no_context_max_diff"}`` (the last: how far
     ``enable_packed_cp(model)`` without a ``cp_context`` is from the original, on document 0).
     """
+    return per_document_jobs([dict(family=family, config=config, state_dict=state_dict,
+                                   documents=documents, cotangents=cotangents, seed=seed)])[0]
+
+
+def per_document_jobs(jobs: list[dict]) -> list[dict]:
+    """:func:`per_document` for several models in one subprocess (one transformers import):
+    ``jobs`` of dicts with :func:`per_document`'s arguments as keys (``seed`` optional)."""
+    jobs = [dict(job, seed=job.get("seed", 0)) for job in jobs]
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "in.pt"), os.path.join(tmp, "out.pt")
-        torch.save(dict(family=family, config=config, state_dict=state_dict, seed=seed,
-                        documents=documents, cotangents=cotangents), src)  # fmt: skip
+        torch.save(jobs, src)
         proc = subprocess.run([sys.executable, "-m", "tests.support.hf_reference", src, dst],
                               cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
         if proc.returncode:
@@ -139,5 +192,6 @@ def per_document(family: str, config: dict, state_dict: dict, documents: list, c
 
 if __name__ == "__main__":
     sys.modules["fla"] = None  # transformers' pure-PyTorch fallbacks (FLA's kernels need a GPU)
+    sys.modules["causal_conv1d"] = None  # the PyTorch conv fallback even where it is installed
     torch.set_num_threads(1)
-    torch.save(_run(torch.load(sys.argv[1], weights_only=False)), sys.argv[2])
+    torch.save([_run(job) for job in torch.load(sys.argv[1], weights_only=False)], sys.argv[2])

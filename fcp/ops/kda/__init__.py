@@ -1,4 +1,9 @@
-"""Kimi Delta Attention (KDA) over packed documents, exact under contiguous CP.
+"""Kimi Delta Attention (KDA) and Gated DeltaNet (GDN) over packed documents, exact under
+contiguous CP.
+
+GDN is KDA with one gate per head instead of one per key dimension: :func:`kda` takes either
+(``g [B, L, HV]`` or ``[B, L, HV, K]``); the scalar gate is never broadcast to ``[.., K]`` on
+the default backend.
 
 * :mod:`.reference` - the definition (per-token recurrence) and the argument rules;
 * :mod:`.chunked` - the exact static-shape PyTorch path (``backend="chunked"``, the default);
@@ -36,15 +41,21 @@ def kda(
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Kimi Delta Attention on this rank's shard of a packed batch.
+    """Kimi Delta Attention (or Gated DeltaNet) on this rank's shard of a packed batch.
 
     Args:
         q, k: ``[batch, local_seq, heads, K]`` (k is usually L2-normalised).
         v: ``[batch, local_seq, value_heads, V]``; ``value_heads`` is a multiple of ``heads``
-            (GVA: value head ``j`` uses q/k head ``j // (value_heads // heads)``).
-        g: ``[batch, local_seq, value_heads, K]`` per-key-dimension log decay (natural log,
-            <= 0; no overflow whatever the decay: exponents are always <= 0; tested with -8, 0
-            and -40 per token).
+            (GVA: value head ``j`` uses q/k head ``j // (value_heads // heads)``, i.e. q and k
+            are ``repeat_interleave``-d, as in transformers' Qwen3-Next and NeMo's Gated
+            DeltaNet layers; pass q/k un-repeated).
+        g: log decay (natural log, <= 0; no overflow whatever the decay: exponents are always
+            <= 0; tested with -8, 0 and -40 per token), either
+            ``[batch, local_seq, value_heads, K]``, one per key dimension (KDA: ``S <-
+            diag(exp(g_t)) S``), or ``[batch, local_seq, value_heads]``, one per head (Gated
+            DeltaNet: ``S <- exp(g_t) S``). A per-head gate is the same recurrence as that gate
+            broadcast over K, computed without the ``[.., K]`` gate on ``"chunked"`` (the FLA
+            backends broadcast it to FLA's KDA kernels).
         beta: ``[batch, local_seq, value_heads]`` delta-rule step sizes.
         context: this rank's :class:`~fcp.context.PackedContext`; ``local_seq`` must be
             ``context.local_seq_len``. The state restarts at every run start of the global map
@@ -90,6 +101,9 @@ def kda(
     backend = choose_backend("kda", backend, BACKENDS, "chunked")
     scale = default_scale(q.shape[-1], scale)
     q, k, v, g, beta = (finite_or_zero(t) for t in (q, k, v, g, beta))
+    if backend != "chunked" and g.dim() == 3:
+        # FLA's KDA kernels take per-key-dimension gates (fcp wraps no GDN kernel): broadcast
+        g = g[..., None].expand(*g.shape, q.shape[-1])
     if backend == "chunked":
         out = kda_chunked(q, k, v, g, beta, context, scale, chunk_size)
     else:

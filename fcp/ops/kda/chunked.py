@@ -15,6 +15,9 @@ How :func:`kda_chunked` stays exact and static:
   blocks factors through their boundary token, both exponents are direct sums of the g's they
   span (<= 0: no overflow at any decay; no difference of long cumulative sums: no cancellation).
 * ``(I + A)^-1`` of the WY form is built in the same hierarchy (log-depth block inversion).
+* A scalar gate per head (Gated DeltaNet, ``g [B, L, HV]``) is never broadcast over K: its pair
+  decays form one ``[C, C]`` matrix per chunk (same exponents, same masks) that multiplies the
+  plain ``q k^T`` and ``k k^T`` (:func:`_intra_chunk_scalar`); the rest broadcasts ``[.., 1]``.
 * Only the tokens of the run going on at a chunk's (shard's) start see the incoming state; the
   chunk recurrence ``S_{i+1} = A_i S_i + B_i`` is composed by a log-depth associative scan
   (:func:`fcp.scan.chunk_scan`), so a compiled graph does not grow with the sequence length.
@@ -161,12 +164,69 @@ def _intra_chunk(q, k, g, beta, seg):
     return aqk[..., 0, :, :], t_inv[..., 0, :, :], fwd, rev
 
 
-def _chunk_forms(q, k, v, g, beta, seg, prev):
+def _diagonal_lower_blocks(x: torch.Tensor, nb: int, s: int) -> torch.Tensor:
+    """The lower-left ``[s, s]`` block of each of the ``nb`` diagonal ``[2s, 2s]`` blocks of
+    ``x [.., C, C]`` (``C = 2 s nb``), as ``[.., nb, s, s]`` (views, no copy)."""
+    blocks = x.reshape(*x.shape[:-2], nb, 2 * s, nb, 2 * s).diagonal(dim1=-4, dim2=-2)
+    return blocks.movedim(-1, -3)[..., s:, :s]
+
+
+def _intra_chunk_scalar(q, k, g, beta, seg):
+    """:func:`_intra_chunk` for one gate per head (Gated DeltaNet): ``g [B, H, N, C, 1]``.
+
+    Same outputs (``fwd``/``rev`` ``[.., C, 1]``). A scalar gate leaves the K-sum, so the pair
+    decays form one ``[C, C]`` matrix per chunk, ``E[t, i] = exp(D(i, t])`` for ``i <= t`` in t's
+    document (exact 0 elsewhere), and ``aqk = (q k^T) * E``, ``A = beta (k k^T) * E`` are two
+    plain chunk-sized matmuls: no ``[.., K]`` gate, decayed copy of q or k, ``[.., K]``
+    exponential or per-level small matmul is formed (``benchmarks/bench_gdn.py`` measures the
+    saving over broadcasting the gate). The exponents come from the same binary hierarchy as the
+    per-key path: the pair ``(i, t)`` split at boundary ``r`` gets ``D(r, t] + D(i, r]``, two
+    direct sums of the g's they span (<= 0, no cancellation), masked to ``r``'s document before
+    the exponential. ``(I + A)^-1`` is built by the same log-depth block inversion, from the
+    diagonal blocks of the dense ``A``.
+    """
+    c = q.shape[-2]
+    fwd, rev = g, torch.zeros_like(g)
+    expo = torch.zeros_like(g)[..., None]  # [.., C, 1, 1]: exponents of the diagonal, D(t, t]
+    same = torch.ones_like(seg, dtype=torch.bool)[..., None, None]  # [B, 1, N, C, 1, 1]
+    s = 1
+    while s < c:
+        nb = c // (2 * s)
+        seg_l, seg_r = seg.reshape(*seg.shape[:-1], nb, 2, s).unbind(-2)  # [B, 1, N, nb, s]
+        ref = seg_l[..., -1:]  # document of the boundary token r
+        left_in, right_in = (seg_l == ref)[..., None], (seg_r == ref)[..., None]
+        f_l, f_r = _halves(fwd, nb, s)
+        r_l, r_r = _halves(rev, nb, s)
+        g_r = _halves(g, nb, s)[1]
+        expo = _merge(expo, f_r + r_l.transpose(-1, -2))  # D(r, t] + D(i, r]
+        same = _merge(same, right_in & left_in.transpose(-1, -2))
+        f_r = f_r + torch.where(right_in, f_l[..., -1:, :], 0.0)
+        head_in = (seg_l == seg_r[..., :1])[..., None]
+        r_l = r_l + torch.where(head_in, g_r[..., :1, :] + r_r[..., :1, :], 0.0)
+        fwd = torch.cat([f_l, f_r], -2).reshape(g.shape)
+        rev = torch.cat([r_l, r_r], -2).reshape(g.shape)
+        s *= 2
+    same = same[..., 0, :, :]  # [B, 1, N, C, C]: i <= t in t's document
+    decay = _masked_exp(same, expo[..., 0, :, :])  # [B, H, N, C, C]
+    k_t = k.transpose(-1, -2)
+    # `where` as well as the zero decay: a product overflowing elsewhere stays out exactly
+    aqk = torch.where(same, (q @ k_t) * decay, 0.0)
+    a = torch.where(same, (k @ k_t) * decay, 0.0) * beta  # only its strict lower part is read
+    t_inv = aqk.new_ones(*aqk.shape[:-1], 1, 1)  # [.., C, 1, 1]: inverses of the unit diagonal
+    s = 1
+    while s < c:
+        t_inv = _merge_inverse(t_inv, _diagonal_lower_blocks(a, c // (2 * s), s))
+        s *= 2
+    return aqk, t_inv[..., 0, :, :], fwd, rev
+
+
+def _chunk_forms(q, k, v, g, beta, seg, prev, scalar: bool):
     """Everything a chunk needs that does not depend on the incoming state (all chunks at once).
 
-    Inputs: q, k, g ``[B, H, N, C, K]`` (q already scaled), v ``[B, H, N, C, V]``, beta
-    ``[B, H, N, C]``, seg ``[B, 1, N, C]`` run ids, prev ``[B, 1, N]`` run id of the token
-    before each chunk. With ``G`` the within-document cumulative decay from the chunk start and
+    Inputs: q, k ``[B, H, N, C, K]`` (q already scaled), g ``[B, H, N, C, K]`` or, ``scalar``,
+    ``[B, H, N, C, 1]`` (every decay factor below then broadcasts over K), v
+    ``[B, H, N, C, V]``, beta ``[B, H, N, C]``, seg ``[B, 1, N, C]`` run ids, prev ``[B, 1, N]``
+    run id of the token before each chunk. With ``G`` the within-document cumulative decay from the chunk start and
     ``carry`` the tokens of the run that was going on before the chunk (those that see the
     incoming state ``S``), the chunk's outputs and final state are (WY representation)::
 
@@ -177,10 +237,10 @@ def _chunk_forms(q, k, v, g, beta, seg, prev):
     with ``T = (I + A)^-1``, ``w = T (beta k exp(G) [carry])``, ``u0 = T (beta v)``,
     ``qg = q exp(G) [carry]``, ``kd = k exp(G_end - G) [last run]``, ``dec = exp(G_end) [carry]``.
     Returns ``(Aqk [.., C, C], w [.., C, K], u0 [.., C, V], qg [.., C, K], kd [.., C, K],
-    dec [.., K])``.
+    dec [.., K or 1])``.
     """
     bk = beta[..., None]
-    aqk, t_inv, fwd, rev = _intra_chunk(q, k, g, bk, seg)
+    aqk, t_inv, fwd, rev = (_intra_chunk_scalar if scalar else _intra_chunk)(q, k, g, bk, seg)
     carry = (seg == prev[..., None])[..., None]  # [B, 1, N, C, 1]
     decay_in = _masked_exp(carry, fwd)  # exp(G_t) for carried tokens, else exactly 0
     qg = q * decay_in
@@ -211,6 +271,7 @@ def kda_chunked(
     :func:`~fcp.comm.state_chain` all-gather of ``[batch, value_heads, K, K + V]`` per call.
     """
     q, k, v, g, beta = (_ContiguousGrad.apply(t) for t in (q, k, v, g, beta))
+    scalar = g.dim() == 3  # one gate per head (GDN): [B, L, HV]
     bsz, length, h, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     dt = compute_dtype(q, k, v, g, beta)
@@ -230,7 +291,7 @@ def kda_chunked(
 
     qc = chunked(q, hv // h) * scale
     kc = chunked(k, hv // h)
-    vc, gc = chunked(v), chunked(g)
+    vc, gc = chunked(v), chunked(g[..., None] if scalar else g)
     bc = chunked(beta[..., None])[..., 0]
     seg, prev = _segment_ids(context, n_pad)
     seg = seg.reshape(bsz, 1, n, c)
@@ -238,7 +299,8 @@ def kda_chunked(
     # last token
     prev = torch.cat([prev, seg[:, 0, :-1, -1]], 1)[:, None]  # [B, 1, N]
 
-    aqk, w, u0, qg, kd, dec = _chunk_forms(qc, kc, vc, gc, bc, seg, prev)
+    aqk, w, u0, qg, kd, dec = _chunk_forms(qc, kc, vc, gc, bc, seg, prev, scalar)
+    dec = dec.expand(*dec.shape[:-1], dk)  # a scalar gate's chunk decay, on the state's diagonal
 
     cp = context.cp_enabled
     if cp:

@@ -8,6 +8,8 @@ calls them fails. fcp wraps FLA's *forward and backward functions* (``chunk_kda_
 fake kernel, tied together by ``register_autograd``; Dynamo sees opaque ops with known output
 shapes and traces straight through. There is no CPU kernel: off CUDA the dispatcher never picks
 these backends (the tests register reference kernels for CPU to check the composition).
+A Gated DeltaNet gate (one per head, ``[B, T, HV]``) reaches these ops broadcast to
+``[B, T, HV, K]`` by the dispatcher: FLA's ``chunk_gated_delta_rule`` is not wrapped.
 
 Ops (functional, no mutation, outputs never alias inputs; the backward ops have no autograd
 formula, so no double backward; outputs that only feed the backward are non-differentiable):

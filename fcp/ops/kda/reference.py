@@ -2,11 +2,14 @@
 
 Per value head, with a ``[K, V]`` state ``S`` that restarts at zero at every document start::
 
-    S   <- diag(exp(g_t)) S                              # per-key-dimension decay
+    S   <- diag(exp(g_t)) S                              # per-key-dimension decay (KDA)
     S   <- S + beta_t k_t (v_t - S^T k_t)^T              # delta rule
     o_t  = scale * S^T q_t
 
-(the recurrence of FLA's ``naive_recurrent_kda``, run separately on every document). Every
+(the recurrence of FLA's ``naive_recurrent_kda``, run separately on every document). With a
+scalar gate per head (``g [B, T, HV]``), the first line is ``S <- exp(g_t) S``: Gated DeltaNet
+(GDN; FLA's ``chunk_gated_delta_rule``, transformers' ``torch_chunk_gated_delta_rule``), i.e.
+KDA with ``g`` broadcast over the K key dimensions. Every
 backend of :func:`fcp.ops.kda.kda` computes this; the tests compare them with
 :func:`kda_reference`. O(sequence) Python steps: the specification and test oracle, never a
 model's path.
@@ -41,8 +44,11 @@ def check_kda_inputs(q, k, v, g, beta, local_len: int | None, batch: int | None)
     hv = v.shape[2]
     if h == 0 or hv % h:
         raise ValueError(f"value_heads={hv} must be a multiple of heads={h} (GVA)")
-    if g.shape != (b, t, hv, dk):
-        raise ValueError(f"g must be [{b}, {t}, {hv}, {dk}], got {tuple(g.shape)}")
+    if g.shape not in ((b, t, hv), (b, t, hv, dk)):
+        raise ValueError(
+            f"g must be [{b}, {t}, {hv}] (one gate per head, GDN) or [{b}, {t}, {hv}, {dk}] (per "
+            f"key dimension, KDA), got {tuple(g.shape)}"
+        )
     if beta.shape != (b, t, hv):
         raise ValueError(f"beta must be [{b}, {t}, {hv}], got {tuple(beta.shape)}")
     if local_len is not None and t != local_len:
@@ -64,7 +70,8 @@ def kda_recurrence(
     """The per-token recurrence on ``[B, T, ...]`` tensors: ``(o, final_state)``.
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``.
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]`` or ``[B, T, HV]``
+            (one gate per head); beta: ``[B, T, HV]``.
         scale: query scale.
         starts: optional bool ``[B, T]``: the state is zeroed before these tokens (exact resets).
         initial_state: optional ``[B, HV, K, V]`` state before the first token.
@@ -79,6 +86,8 @@ def kda_recurrence(
     q = q.to(dt).repeat_interleave(rep, dim=2) * scale
     k = k.to(dt).repeat_interleave(rep, dim=2)
     v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
+    if g.dim() == 3:  # one gate per head: broadcast over the key dimension
+        g = g[..., None]
     if initial_state is None:
         state = q.new_zeros(q.shape[0], hv, q.shape[3], v.shape[3])
     else:
