@@ -97,7 +97,10 @@ def main(argv=None) -> Path:
         bench_attention,
         bench_comm,
         bench_gdn,
+        bench_glm5_cp,
         bench_index_attention,
+        bench_isolation,
+        bench_kda_scan,
         bench_scaling,
     )
 
@@ -130,6 +133,20 @@ def main(argv=None) -> Path:
                                                             ["1024", "2048", "4096", "8192"]),
                                                "--repeats", "3" if q else "5"])  # fmt: skip
     sections.append(("Gated DeltaNet: scalar gate vs the gate broadcast to [.., K] (CPU)", text))
+    print("KDA chunk scan vs loop (includes two cold inductor compiles) ...", flush=True)
+    scan_row, text = _capture(bench_kda_scan.main, ["--repeats", "3" if q else "7",
+                                                    "--compile-lens", "1024",
+                                                    "4096" if q else "16384"])  # fmt: skip
+    sections.append(("KDA's chunk recurrence: log-depth scan vs the Python loop", text))
+    print("isolation cost ...", flush=True)
+    iso_rows, text = _capture(bench_isolation.main, ["--lengths", "1024", "4096",
+                                                     "--repeats", "5" if q else "15"])  # fmt: skip
+    sections.append(("Cost of keeping NaN/inf inside its document (hybrid layer)", text))
+    print("GLM-5.3-Flash under CP ...", flush=True)
+    glm_rows, text = _capture(bench_glm5_cp.main, ["--lengths", *(["1024"] if q else
+                                                                ["1024", "4096"])])  # fmt: skip
+    sections.append(("transformers' GLM-5.3-Flash on fcp: CP 2 vs 1 rank, bytes per DSA layer",
+                     text))
     print("layout ...", flush=True)
     sections.append(("Layout and sharding at 1M tokens / 100k documents",
                      _script("bench_layout.py", ["--repeats", "5" if q else "15",
@@ -162,6 +179,24 @@ def main(argv=None) -> Path:
     for r in bench_index_attention.cp_bytes():
         head.append(f"| {r['model']} under CP: bytes / full K/V gather | "
                     f"{r['fcp'] / r['full_kv']:.3f} |")
+    head.append(f"| KDA chunk recurrence by scan: inductor compile time at "
+                f"{scan_row['compile_lens'][1]} / {scan_row['compile_lens'][0]} tokens (target "
+                f"<= 1.5x) | {scan_row['compile_ratio']:.2f}x |")
+    head.append(f"| KDA eager fwd+bwd at {scan_row['seq']} tokens, with scan / with the loop "
+                f"(target <= 1.10) | {scan_row['ratio']:.3f} |")
+    for r in iso_rows:
+        head.append(f"| NaN/inf isolation cost, hybrid layer {r['seq']} tokens (eager, "
+                    f"target <= 5%) | {100 * r['isolation_fraction']:.1f}% |")
+    for r in glm_rows:
+        if r["tokens"] is None:
+            b = r["released"]
+            head.append(f"| GLM-5.3-Flash released shapes, 4 x 32k tokens: DSA layer bytes per "
+                        f"rank, fcp (latent + pooled keys) / expanded K/V / hidden states | "
+                        f"{b['latent_and_pools'] / 2**20:.0f} / {b['expanded_kv'] / 2**20:.0f} / "
+                        f"{b['hidden'] / 2**20:.0f} MiB |")
+        else:
+            head.append(f"| demo GLM-5.3-Flash {r['tokens']} tokens, CP 2 vs 1 rank: speed-up / "
+                        f"saved-activation ratio | {r['speedup']:.2f}x / {r['saved_ratio']:.2f}x |")
     r = max(gdn_rows, key=lambda r: r["seq"])
     head.append(f"| GDN scalar gate vs gate broadcast to K ({r['seq']} tokens, K=V=128): time / "
                 f"peak memory / saved activations, broadcast over scalar | {r['time_ratio']:.2f}x "

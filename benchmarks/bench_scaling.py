@@ -36,23 +36,24 @@ def _params(seed: int = 0) -> dict:
             "iq": r(D, 2 * 16), "ik": r(D, 16), "iw": r(D, 2)}
 
 
-def layer(x, p, ctx):
+def layer(x, p, ctx, ops=fcp):
     """[B, L, D] -> [B, L, HEADS * DK]: conv -> KDA -> index attention over the KDA output, on
-    the tokens a k-pool indexer picks (pools of 16, 64 tokens from complete pools + the tail)."""
+    the tokens a k-pool indexer picks (pools of 16, 64 tokens from complete pools + the tail).
+    ``ops``: where the operators come from (``fcp``; a variant for side-by-side measurements)."""
     b, n, _ = x.shape
-    h = fcp.short_conv(x, p["conv"], None, ctx, activation="silu")
+    h = ops.short_conv(x, p["conv"], None, ctx, activation="silu")
     q = torch.nn.functional.normalize((h @ p["wq"]).view(b, n, HEADS, DK), dim=-1)
     k = torch.nn.functional.normalize((h @ p["wk"]).view(b, n, HEADS, DK), dim=-1)
     v = (h @ p["wv"]).view(b, n, HEADS, DK)
     g = -torch.nn.functional.softplus((h @ p["wg"]).view(b, n, HEADS, DK))
     beta = torch.sigmoid(h @ p["wb"])
-    o = fcp.kda(q, k, v, g, beta, ctx)
+    o = ops.kda(q, k, v, g, beta, ctx)
     iq = (x @ p["iq"]).view(b, n, 2, 16)
     ik = x @ p["ik"]
     iw = x @ p["iw"]
     ape = torch.zeros(16, 16)  # zero gate logits and position embedding: mean pooling
-    idx = fcp.kpool_indexer(iq, ik, torch.zeros_like(ik), ape, iw, ctx, topk=64, kpool=16)
-    a = fcp.index_attention(o, o, o, idx, ctx)
+    idx = ops.kpool_indexer(iq, ik, torch.zeros_like(ik), ape, iw, ctx, topk=64, kpool=16)
+    a = ops.index_attention(o, o, o, idx, ctx)
     return a.flatten(2)
 
 

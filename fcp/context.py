@@ -21,7 +21,6 @@ A single-process context needs nothing but the map: ``PackedContext(doc_ids)``.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,25 +28,18 @@ from typing import Any, TypeVar
 import torch
 
 from fcp.groups import GroupInfo
-from fcp.layout import PAD_DOC_ID, position_ids_from_doc_ids, segment_cu_seqlens, validate_doc_ids
+from fcp.layout import (
+    PAD_DOC_ID,
+    check_int,
+    position_ids_from_doc_ids,
+    segment_cu_seqlens,
+    validate_doc_ids,
+)
 from fcp.pytree import has_data, register_frozen_pytree
 
 _T = TypeVar("_T")
 
 __all__ = ["PackedContext"]
-
-
-def _strict_int(value: Any, name: str, minimum: int) -> int:
-    """``value`` as an int ``>= minimum``; bools, floats and strings are rejected (not truncated)."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -95,8 +87,8 @@ class PackedContext:
             raise ValueError(f"doc_ids must be int64, got {d.dtype}")
         if d.is_meta and not torch.compiler.is_compiling():
             raise ValueError("doc_ids is a meta tensor; a context needs the real document map")
-        cp_size = _strict_int(self.cp_size, "cp_size", 1)
-        cp_rank = _strict_int(self.cp_rank, "cp_rank", 0)
+        cp_size = check_int(self.cp_size, "cp_size", 1)
+        cp_rank = check_int(self.cp_rank, "cp_rank", 0)
         if cp_rank >= cp_size:
             raise ValueError(f"cp_rank={cp_rank} is outside [0, cp_size={cp_size})")
         if cp_size > 1 and self.group is None:
@@ -109,7 +101,7 @@ class PackedContext:
                     "pad the batch with fcp.shard_batch first"
                 )
             object.__setattr__(self, "local_seq_len", total // cp_size)
-        local = _strict_int(self.local_seq_len, "local_seq_len", 0)
+        local = check_int(self.local_seq_len, "local_seq_len", 0)
         if local * cp_size != total:
             raise ValueError(
                 f"local_seq_len={local} * cp_size={cp_size} != doc_ids sequence length {total}"
@@ -117,13 +109,13 @@ class PackedContext:
         expected_start = cp_rank * local
         if self.seq_start is None:
             object.__setattr__(self, "seq_start", expected_start)
-        if _strict_int(self.seq_start, "seq_start", 0) != expected_start:
+        if check_int(self.seq_start, "seq_start", 0) != expected_start:
             raise ValueError(
                 f"seq_start={self.seq_start} does not match cp_rank={cp_rank} * "
                 f"local_seq_len={local} = {expected_start} (shards are contiguous)"
             )
         if self.original_seq_len is not None:
-            original = _strict_int(self.original_seq_len, "original_seq_len", 0)
+            original = check_int(self.original_seq_len, "original_seq_len", 0)
             if original > total:
                 raise ValueError(
                     f"original_seq_len={original} is outside [0, {total}] "

@@ -40,7 +40,7 @@ __all__ = [
     "doc_ids_from_cu_seqlens", "doc_ids_from_seq_lens",
     "segment_cu_seqlens", "packed_boundaries_from_seq_lens",
     "document_starts", "position_ids_from_doc_ids", "lengths_from_doc_ids",
-    "validate_doc_ids", "validate_right_tail_mask",
+    "validate_doc_ids", "validate_right_tail_mask", "check_int", "check_tensor",
 ]  # fmt: skip
 
 PAD_DOC_ID = 0
@@ -50,6 +50,32 @@ SEQ_LENS_SENTINEL = -1000
 
 
 # ---- argument checks ---------------------------------------------------------
+
+
+def check_int(value, name: str, minimum: int | None = None) -> int:
+    """``value`` as an int (``TypeError`` for bools, floats, strings, None: never truncated),
+    at least ``minimum`` if given (``ValueError``). Every message names ``name`` and the value.
+
+    >>> check_int(3, "pad_multiple", 1)
+    3
+    """
+    try:
+        if isinstance(value, bool):  # operator.index would take True as 1
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def check_tensor(value, name: str) -> torch.Tensor:
+    """``value`` if it is a ``torch.Tensor``, else ``TypeError`` naming ``name`` and the value."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}: {value!r}")
+    return value
+
 
 
 def _require_tensor(x, name: str, integer: bool = False) -> None:

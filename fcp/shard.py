@@ -18,7 +18,6 @@ Worked example (2 ranks, ``pad_multiple=1``)::
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +28,8 @@ from fcp.context import PackedContext
 from fcp.groups import resolve_group
 from fcp.layout import (
     PAD_DOC_ID,
+    check_int,
+    check_tensor,
     doc_ids_from_cu_seqlens,
     doc_ids_from_seq_lens,
     position_ids_from_doc_ids,
@@ -173,22 +174,9 @@ def _mask_of(batch: Mapping[str, Any], primary: torch.Tensor) -> torch.Tensor | 
     return normalised[0]
 
 
-def _int_arg(value: Any, name: str, minimum: int) -> int:
-    try:
-        if isinstance(value, bool):  # operator.index would take True as 1
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
-
-
 def _check_stream(key: str, t: Any) -> None:
     """A token stream must be a real tensor of a sensible dtype (host-side, before any work)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{key} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensor(t, key)
     if t.is_meta:
         raise ValueError(f"{key} is a meta tensor; sharding needs real values")
     integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
@@ -245,8 +233,8 @@ def shard_batch(
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch must be a mapping, got {type(batch).__name__}")
-    pad_multiple = _int_arg(pad_multiple, "pad_multiple", 1)
-    padding_token_id = _int_arg(padding_token_id, "padding_token_id", -(2**63))
+    pad_multiple = check_int(pad_multiple, "pad_multiple", 1)
+    padding_token_id = check_int(padding_token_id, "padding_token_id", -(2**63))
     if not isinstance(shard_primary, bool):
         raise TypeError(f"shard_primary must be a bool, got {shard_primary!r}")
     has_ids = batch.get("input_ids") is not None

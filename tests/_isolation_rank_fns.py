@@ -17,6 +17,7 @@ from fcp.ops.kda import kda
 #: per operator: its token inputs (poisonable, differentiated) in call order
 TOKEN_INPUTS = {
     "kda": ("q", "k", "v", "g", "beta"),
+    "gdn": ("q", "k", "v", "g", "beta"),  # kda with one gate per head (Gated DeltaNet)
     "short_conv": ("x",),
     "doc_causal": ("q", "k", "v"),
     "compressed": ("q", "k", "v"),
@@ -30,9 +31,10 @@ def make_inputs(op: str, batch: int, seq: int, seed: int) -> dict[str, torch.Ten
     def r(*shape):
         return torch.randn(batch, seq, *shape, generator=gen)
 
-    if op == "kda":
+    if op in ("kda", "gdn"):
+        gate = (2, 4) if op == "kda" else (2,)
         return dict(q=r(2, 4), k=torch.nn.functional.normalize(r(2, 4), dim=-1), v=r(2, 4),
-                    g=-torch.rand(batch, seq, 2, 4, generator=gen) * 2,
+                    g=-torch.rand(batch, seq, *gate, generator=gen) * 2,
                     beta=torch.rand(batch, seq, 2, generator=gen))  # fmt: skip
     if op == "short_conv":
         return dict(x=r(6), weight=torch.randn(6, 4, generator=gen), bias=torch.randn(6, generator=gen))
@@ -40,7 +42,7 @@ def make_inputs(op: str, batch: int, seq: int, seed: int) -> dict[str, torch.Ten
 
 
 def call(op: str, t: dict, ctx: PackedContext) -> torch.Tensor:
-    if op == "kda":
+    if op in ("kda", "gdn"):
         return kda(t["q"], t["k"], t["v"], t["g"], t["beta"], ctx, chunk_size=4)
     if op == "short_conv":
         return short_conv(t["x"], t["weight"], t["bias"], ctx, "silu")

@@ -100,7 +100,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import operator
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +115,8 @@ from fcp.groups import resolve_group
 from fcp.layout import (
     PAD_DOC_ID,
     SEQ_LENS_SENTINEL,
+    check_int,
+    check_tensor,
     document_starts,
     validate_right_tail_mask,
 )
@@ -146,21 +147,6 @@ def __getattr__(name: str):
 # ---------------------------------------------------------------------------------------------
 # argument checks
 # ---------------------------------------------------------------------------------------------
-def _tensor(value: Any, name: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}: {value!r}")
-    return value
-
-
-def _index(value: Any, name: str) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
-
-
 def _first_bad(bad: torch.Tensor) -> tuple[int, ...] | None:
     hits = bad.nonzero()
     return tuple(hits[0].tolist()) if hits.shape[0] else None
@@ -239,20 +225,20 @@ class Glm5NextPackedContext:
                 f"doc_ids must be an integer [batch, sequence] tensor, got shape "
                 f"{tuple(d.shape)} dtype {d.dtype}"
             )
-        cp_size = _index(self.cp_size, "cp_size")
+        cp_size = check_int(self.cp_size, "cp_size")
         if cp_size < 1 or d.shape[1] % cp_size:
             raise ValueError(
                 f"cp_size={cp_size} must be positive and divide the doc_ids length {d.shape[1]}"
             )
         local = d.shape[1] // cp_size
-        start = _index(self.seq_start, "seq_start")
+        start = check_int(self.seq_start, "seq_start")
         if not (0 <= start < max(d.shape[1], 1) and (local == 0 or start % local == 0)):
             raise ValueError(
                 f"seq_start={start} must be r * local_seq_len ({local}) for a rank r in "
                 f"[0, cp_size={cp_size})"
             )
         if self.original_seq_len is not None:
-            original = _index(self.original_seq_len, "original_seq_len")
+            original = check_int(self.original_seq_len, "original_seq_len")
             if not 0 <= original <= d.shape[1]:
                 raise ValueError(
                     f"original_seq_len={original} is outside [0, {d.shape[1]}] (the padded "
@@ -330,7 +316,7 @@ class Glm5NextPackedContext:
         """
         cached = self._cu_seqlens.get(row)
         if cached is None:
-            index, rows = _index(row, "row"), self.doc_ids.shape[0]
+            index, rows = check_int(row, "row"), self.doc_ids.shape[0]
             if not -rows <= index < rows:
                 raise IndexError(f"index {index} is out of bounds for dimension 0 with size {rows}")
             bounds = core_segment_cu_seqlens(self.doc_ids[index])
@@ -376,7 +362,7 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Ten
 
     Example: ``doc_ids_from_cu_seqlens(tensor([0, 2, 2, 5, -1]), 6) -> [[1, 1, 3, 3, 3, 0]]``.
     """
-    cu = _tensor(cu_seqlens, "cu_seqlens")
+    cu = check_tensor(cu_seqlens, "cu_seqlens")
     if cu.dim() == 2 and cu.shape[0] == 1:
         cu = cu[0]
     if cu.dim() == 1 and not (cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool):
@@ -404,7 +390,7 @@ def segment_cu_seqlens(doc_ids_row: torch.Tensor) -> torch.Tensor:
     int32 ``[runs + 1]`` from 0 to ``sequence`` on the row's device (the pad tail is its own run);
     an empty row gives ``[0]``. :func:`fcp.layout.segment_cu_seqlens` of a 1-D integer row.
     """
-    row = _tensor(doc_ids_row, "doc_ids_row")
+    row = check_tensor(doc_ids_row, "doc_ids_row")
     if row.dim() != 1:
         raise ValueError(f"doc_ids_row must be 1-D [sequence], got shape {tuple(row.shape)}")
     return core_segment_cu_seqlens(row).to(torch.int32)
@@ -445,7 +431,7 @@ def build_fla_cp_context(
     group = _default_group() if cp_group is None else cp_group
     if isinstance(packed_context, Glm5NextPackedContext):
         packed_context = packed_context.to_packed_context(group)
-    index, rows = _index(row, "row"), packed_context.batch_size
+    index, rows = check_int(row, "row"), packed_context.batch_size
     if not -rows <= index < rows:
         raise IndexError(f"index {index} is out of bounds for dimension 0 with size {rows}")
     return plan(packed_context, index % rows, resolve_group(group).group, conv_kernel_size)
@@ -588,11 +574,11 @@ def _resolve_doc_ids(
     rows = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
     if batch.get("_packed_seq_ids") is not None:
         name = "_packed_seq_ids"
-        raw = _tensor(batch[name], name)
+        raw = check_tensor(batch[name], name)
         raw = _id_map(raw.unsqueeze(0) if raw.dim() == 1 else raw, name)
     elif batch.get("attention_mask") is not None:
         name = "attention_mask"
-        raw = _tensor(batch[name], name)
+        raw = check_tensor(batch[name], name)
         if raw.dim() != 2:
             raise ValueError(
                 f"attention_mask has shape {tuple(raw.shape)}; GLM CP reads a 2-D [batch, "
@@ -609,7 +595,7 @@ def _resolve_doc_ids(
         )
     elif batch.get("seq_lens_padded", batch.get("seq_lens")) is not None:
         name = "seq_lens_padded" if batch.get("seq_lens_padded") is not None else "seq_lens"
-        raw = doc_ids_from_seq_lens(_tensor(batch[name], name), seq_len)
+        raw = doc_ids_from_seq_lens(check_tensor(batch[name], name), seq_len)
     elif batch.get("cu_seqlens") is not None:
         name = "cu_seqlens"
         raw = doc_ids_from_cu_seqlens(batch[name], seq_len)
@@ -619,7 +605,7 @@ def _resolve_doc_ids(
         name, pad = "padding_mask", batch.get("padding_mask")
         raw = torch.ones(rows, seq_len, dtype=torch.int32, device=ids.device)
         if pad is not None:
-            _stream_shape(_tensor(pad, name), name, rows, seq_len)
+            _stream_shape(check_tensor(pad, name), name, rows, seq_len)
             raw = raw.masked_fill(pad.bool(), PAD_DOC_ID)
         else:
             name = "input_ids"
@@ -681,7 +667,7 @@ def shard_batch_for_glm5_next_cp(
         raise MissingBatchKeyError("input_ids")
     rows = _thd_rows(batch)
     work = {**batch, **rows}
-    ids = _tensor(work["input_ids"], "input_ids")
+    ids = check_tensor(work["input_ids"], "input_ids")
     if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() or ids.shape[1] == 0:
         raise ValueError(
             f"input_ids must be a non-empty integer [batch, sequence] tensor, got shape "
@@ -692,18 +678,18 @@ def shard_batch_for_glm5_next_cp(
 
     core_batch: dict[str, Any] = {"input_ids": ids, "doc_ids": doc_ids}
     if work.get("labels") is not None:
-        core_batch["labels"] = _tensor(work["labels"], "labels")
+        core_batch["labels"] = check_tensor(work["labels"], "labels")
     positions = work.get("position_ids")
     one_row = False
     if "position_ids" not in work:
         positions = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand_as(ids)
     if positions is not None:
-        positions = _tensor(positions, "position_ids")
+        positions = check_tensor(positions, "position_ids")
         one_row = positions.dim() == 2 and positions.shape[0] == 1 and n_rows > 1
         core_batch["position_ids"] = positions.expand(n_rows, -1) if one_row else positions
     padding_mask = work.get("padding_mask")
     if padding_mask is not None:
-        _stream_shape(_tensor(padding_mask, "padding_mask"), "padding_mask", n_rows, seq_len)
+        _stream_shape(check_tensor(padding_mask, "padding_mask"), "padding_mask", n_rows, seq_len)
     local, core = shard_batch(
         cp_mesh,
         core_batch,

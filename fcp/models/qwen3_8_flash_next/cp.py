@@ -79,7 +79,6 @@ object even at size one; a 1-D ``loss_mask`` is taken as ``[1, sequence]``.
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -92,7 +91,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fcp.comm import all_gather_sequence, left_halo
 from fcp.context import PackedContext
 from fcp.groups import mesh_size, resolve_group
-from fcp.layout import PAD_DOC_ID, SEQ_LENS_SENTINEL, lengths_from_doc_ids
+from fcp.layout import PAD_DOC_ID, SEQ_LENS_SENTINEL, check_int, check_tensor, lengths_from_doc_ids
 from fcp.layout import packed_boundaries_from_seq_lens as core_packed_boundaries
 from fcp.layout import validate_right_tail_mask
 from fcp.models.compat import (
@@ -129,21 +128,6 @@ def __getattr__(name: str):
 # ---------------------------------------------------------------------------------------------
 # argument checks
 # ---------------------------------------------------------------------------------------------
-def _tensor(value: Any, name: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}: {value!r}")
-    return value
-
-
-def _int(value: Any, name: str) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
-
-
 def _is_integer(t: torch.Tensor) -> bool:
     return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
@@ -154,7 +138,7 @@ def _is_binary(t: torch.Tensor) -> bool:
 
 def _boundaries(cu: Any, name: str) -> torch.Tensor:
     """``cu`` as int64 ``[n]`` boundaries: a 1-D (or one-row) integer tensor, else an error."""
-    cu = _tensor(cu, name)
+    cu = check_tensor(cu, name)
     if not _is_integer(cu):
         raise ValueError(f"{name} has dtype {cu.dtype}; boundaries are integers")
     if cu.dim() == 2 and cu.shape[0] == 1:
@@ -223,16 +207,16 @@ class Qwen3_8_FlashNextCPContext:
         ``ValueError`` / ``TypeError`` naming the field and value (NeMo's checks, plus those
         listed in the module docstring). Value checks run only on tensors with data.
         """
-        size, rank = _int(self.size, "size"), _int(self.rank, "rank")
+        size, rank = check_int(self.size, "size"), check_int(self.rank, "rank")
         if size <= 0 or rank < 0 or rank >= size:
             raise ValueError(f"Invalid Qwen3.8-Flash-Next CP rank/size: rank={rank}, size={size}")
-        ids = _tensor(self.global_input_ids, "global_input_ids")
+        ids = check_tensor(self.global_input_ids, "global_input_ids")
         if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(
                 "global_input_ids must be int32/int64 [batch, global_sequence]; got "
                 f"shape={tuple(ids.shape)}, dtype={ids.dtype}"
             )
-        mask = _tensor(self.global_padding_mask, "global_padding_mask")
+        mask = check_tensor(self.global_padding_mask, "global_padding_mask")
         if mask.shape != ids.shape:
             raise ValueError(
                 f"global_padding_mask has shape {tuple(mask.shape)}, global_input_ids "
@@ -244,14 +228,14 @@ class Qwen3_8_FlashNextCPContext:
             raise ValueError(
                 f"global_padding_mask is on {mask.device}, global_input_ids on {ids.device}"
             )
-        length = _int(self.local_sequence_length, "local_sequence_length")
+        length = check_int(self.local_sequence_length, "local_sequence_length")
         if length <= 0:
             raise ValueError(f"local_sequence_length must be positive, got {length}")
         if ids.shape[1] != length * size:
             raise ValueError(
                 f"global sequence {ids.shape[1]} != local_sequence_length={length} * size={size}"
             )
-        start = _int(self.local_sequence_start, "local_sequence_start")
+        start = check_int(self.local_sequence_start, "local_sequence_start")
         if start != rank * length:
             raise ValueError(
                 f"local_sequence_start={start} must be rank * local_sequence_length = "
@@ -270,7 +254,7 @@ class Qwen3_8_FlashNextCPContext:
                 )
         cu = self.global_cu_seqlens
         if cu is not None:
-            cu = _tensor(cu, "global_cu_seqlens")
+            cu = check_tensor(cu, "global_cu_seqlens")
             if cu.dim() != 1 or cu.numel() < 2:
                 raise ValueError(
                     "global_cu_seqlens must be a rank-1 boundary tensor with at least two "
@@ -406,7 +390,7 @@ def qwen3_8_flash_next_cp_left_halo(
             "CP halo input must be [batch, local_sequence, channels]; got "
             f"{tuple(tensor.shape)} for local_sequence={context.local_sequence_length}"
         )
-    history = _int(history, "history")
+    history = check_int(history, "history")
     if history < 0:
         raise ValueError(f"history must be non-negative, got {history}")
     if history == 0:
@@ -461,10 +445,10 @@ def _pad_right(tensor: torch.Tensor, length: int, value: int | bool) -> torch.Te
         Tensor of shape ``[batch, length]`` (:func:`fcp.shard.pad_sequence_dim`); ``tensor``
         itself when no padding is required.
     """
-    tensor = _tensor(tensor, "tensor")
+    tensor = check_tensor(tensor, "tensor")
     if tensor.dim() != 2:
         raise ValueError(f"_pad_right pads a [batch, sequence] tensor, got {tuple(tensor.shape)}")
-    length = _int(length, "length")
+    length = check_int(length, "length")
     if length < tensor.shape[1]:
         raise ValueError(f"Cannot pad sequence length {tensor.shape[1]} down to {length}")
     return pad_sequence_dim(tensor, length - tensor.shape[1], value)
@@ -486,7 +470,7 @@ def _validate_right_tail_mask(mask: torch.Tensor, input_ids: torch.Tensor) -> to
             a right tail (:func:`fcp.layout.validate_right_tail_mask`).
         ValueError: values other than 0 / 1.
     """
-    mask = _tensor(mask, "mask")
+    mask = check_tensor(mask, "mask")
     if mask.dim() != 2 or mask.shape != input_ids.shape:
         raise UnsupportedBatchError(
             "Qwen3.8-Flash-Next CP requires a non-packed [batch, sequence] attention/padding "
@@ -509,7 +493,7 @@ def _valid_tokens(batch: MutableMapping[str, Any], ids: torch.Tensor) -> torch.T
     attention, padding = batch.get("attention_mask"), batch.get("padding_mask")
 
     def padding_valid() -> torch.Tensor:  # padding_mask: 1 = pad
-        pad = _tensor(padding, "padding_mask")
+        pad = check_tensor(padding, "padding_mask")
         if not _is_binary(pad):
             raise ValueError(
                 "Qwen3.8-Flash-Next CP padding_mask must contain only binary 0/1 values"
@@ -531,7 +515,7 @@ def _positions(batch: MutableMapping[str, Any], ids: torch.Tensor) -> torch.Tens
     rows, seq_len = ids.shape
     if "position_ids" not in batch:
         return torch.arange(seq_len, device=ids.device).unsqueeze(0).expand(rows, -1).contiguous()
-    pos = _tensor(batch["position_ids"], "position_ids")
+    pos = check_tensor(batch["position_ids"], "position_ids")
     if pos.dim() == 2 and pos.shape[1] == seq_len and pos.shape[0] in (1, rows):
         return pos.expand(rows, -1).contiguous() if pos.shape[0] != rows else pos
     if pos.dim() == 3 and tuple(pos.shape[1:]) == (rows, seq_len):
@@ -593,8 +577,8 @@ def shard_batch_for_qwen3_8_flash_next_cp(
     if cu is None and batch.get("seq_lens") is not None:
         if "input_ids" not in batch:
             raise MissingBatchKeyError("input_ids")
-        total = _tensor(batch["input_ids"], "input_ids").shape[-1]
-        cu = packed_boundaries_from_seq_lens(_tensor(batch["seq_lens"], "seq_lens"),
+        total = check_tensor(batch["input_ids"], "input_ids").shape[-1]
+        cu = packed_boundaries_from_seq_lens(check_tensor(batch["seq_lens"], "seq_lens"),
                                              total_tokens=total)  # fmt: skip
     unsupported = [k for k in _UNSUPPORTED_PACKED_KEYS if batch.get(k) is not None]
     if unsupported or (batch.get("qkv_format") == "thd" and cu is None):
@@ -607,7 +591,7 @@ def shard_batch_for_qwen3_8_flash_next_cp(
             "Qwen3.8-Flash-Next context parallelism requires raw input_ids as the sole primary "
             "stream for PLE hashing"
         )
-    ids = _tensor(batch["input_ids"], "input_ids")
+    ids = check_tensor(batch["input_ids"], "input_ids")
     if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             "Qwen3.8-Flash-Next CP input_ids must be an int32/int64 [batch, sequence] tensor; "
@@ -616,7 +600,7 @@ def shard_batch_for_qwen3_8_flash_next_cp(
     rows, seq_len = ids.shape
     if seq_len == 0:
         raise ValueError("Qwen3.8-Flash-Next context parallelism requires a non-empty sequence")
-    if _int(pad_multiple, "pad_multiple") <= 1:
+    if check_int(pad_multiple, "pad_multiple") <= 1:
         raise ValueError(f"Qwen3.8-Flash-Next CP pad_multiple must exceed one, got {pad_multiple}")
     if cu is not None:
         if rows != 1:
@@ -642,9 +626,9 @@ def shard_batch_for_qwen3_8_flash_next_cp(
             "Context parallelism requires `labels` in the batch, or labels passed as `loss_mask`."
         )
     if labels is not None:
-        labels = _tensor(labels, "labels")
+        labels = check_tensor(labels, "labels")
     else:  # NeMo's protocol: the loss mask serves as labels (padded with -100)
-        labels, loss_mask = _tensor(loss_mask, "loss_mask"), None
+        labels, loss_mask = check_tensor(loss_mask, "loss_mask"), None
     if tuple(labels.shape) != (rows, seq_len):
         raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {(rows, seq_len)}")
     positions = _positions(batch, ids)
