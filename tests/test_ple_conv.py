@@ -119,7 +119,8 @@ def test_cp_equals_nemo_single_process(rank_pool, case):
     y, dx, dw = nemo_fwd_bwd(x, weight, doc_ids, grad, per_document=False)
     close(torch.cat([r[0] for r in res], 1), y)
     close(torch.cat([r[1] for r in res], 1), dx)
-    close(sum(r[2] for r in res), dw)  # per-rank partial sums
+    # per-rank partial sums of the weight gradient: a sum over every token, in another order
+    close(sum(r[2] for r in res), dw, tol=1e-5)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -131,7 +132,7 @@ def test_one_document_across_every_rank_with_short_shards(rank_pool, world):
     y, dx, dw = nemo_fwd_bwd(x, weight, doc_ids, grad, per_document=True)
     close(torch.cat([r[0] for r in res], 1), y)
     close(torch.cat([r[1] for r in res], 1), dx)
-    close(sum(r[2] for r in res), dw)
+    close(sum(r[2] for r in res), dw, tol=1e-5)
 
 
 @pytest.mark.parametrize("value", [0.5, float("nan"), float("inf")])
