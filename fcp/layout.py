@@ -86,15 +86,13 @@ def _require_tensor(x, name: str, integer: bool = False) -> None:
 
 
 def _non_negative_int(value, name: str) -> int:
+    # check_int, with this module's convention: every rejection is a ValueError
     try:
-        if isinstance(value, bool):  # operator.index would accept True as 1
-            raise TypeError
-        value = operator.index(value)
+        return check_int(value, name, 0)
     except TypeError:
         raise ValueError(f"{name} = {value!r} must be a non-negative int") from None
-    if value < 0:
-        raise ValueError(f"{name} = {value} is negative")
-    return value
+    except ValueError:
+        raise ValueError(f"{name} = {value} is negative") from None
 
 
 def _index_str(name: str, idx: tuple[int, ...]) -> str:

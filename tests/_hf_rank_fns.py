@@ -10,6 +10,52 @@ from fcp.integrations.hf import enable_packed_cp
 from tests.support.hf_reference import build
 
 
+def pack(reference: dict, rows: list[list[int]], seq: int):
+    """A packed batch of the reference's documents ``rows`` (indices into ``reference["docs"]``),
+    right-padded to ``seq``, and the matching cotangent ``[batch, seq, hidden]``."""
+    hidden = reference["cots"][0].shape[-1]
+    ids, cot, lens = [], [], []
+    for row in rows:
+        docs = [reference["docs"][i] for i in row]
+        pad = seq - sum(len(d) for d in docs)
+        ids.append(torch.cat(docs + [torch.zeros(pad, dtype=torch.long)]))
+        cot.append(torch.cat([reference["cots"][i] for i in row] + [torch.zeros(pad, hidden)]))
+        lens.append([len(d) for d in docs])
+    width = max(len(x) for x in lens)
+    seq_lens = torch.tensor([x + [-1000] * (width - len(x)) for x in lens])
+    return {"input_ids": torch.stack(ids), "seq_lens": seq_lens}, torch.stack(cot)
+
+
+def check(reference: dict, rows: list[list[int]], results: list) -> float:
+    """Per-document parity of the ranks' ``results`` (``packed_forward_backward``) with the
+    reference: outputs to 1e-5; summed parameter gradients to 1e-5 relative to the larger of the
+    tensor's largest entry and a tenth of the model's largest gradient entry (fp32 rounding of
+    differently ordered sums: a tensor of tiny gradients sums products that cancel). Returns the
+    largest gradient error."""
+    out = torch.cat([r[0] for r in results], 1)
+    grads = {n: sum(r[1][n] for r in results) for n in results[0][1]}
+    for b, row in enumerate(rows):
+        start = 0
+        for i in row:
+            n = len(reference["docs"][i])
+            torch.testing.assert_close(out[b, start : start + n], reference["outputs"][i],
+                                       atol=1e-5, rtol=1e-5)  # fmt: skip
+            start += n
+    want = {}
+    for row in rows:
+        for i in row:
+            for name, g in reference["grads"][i].items():
+                want[name] = want.get(name, 0) + g
+    assert grads.keys() == want.keys()
+    scale = max(float(w.abs().max()) for w in want.values())
+    errs = {}
+    for name, g in grads.items():
+        den = max(float(want[name].abs().max()), 0.1 * scale)
+        errs[name] = float((g - want[name]).abs().max()) / den
+        assert errs[name] <= 1e-5, (name, errs[name])
+    return max(errs.values())
+
+
 def packed_model(family: str, config: dict, state_dict: dict):
     model = build(family, config)
     model.load_state_dict(state_dict)

@@ -46,45 +46,6 @@ def reference():
     return dict(state=state, docs=docs, cots=cots, **ref)
 
 
-def pack(reference, rows: list[list[int]], seq: int):
-    """A packed batch of the pool's documents ``rows`` (indices), right-padded to ``seq``."""
-    ids, cot, lens = [], [], []
-    for row in rows:
-        docs = [reference["docs"][i] for i in row]
-        pad = seq - sum(len(d) for d in docs)
-        ids.append(torch.cat(docs + [torch.zeros(pad, dtype=torch.long)]))
-        cot.append(torch.cat([reference["cots"][i] for i in row] + [torch.zeros(pad, HIDDEN)]))
-        lens.append([len(d) for d in docs])
-    width = max(len(x) for x in lens)
-    seq_lens = torch.tensor([x + [-1000] * (width - len(x)) for x in lens])
-    return {"input_ids": torch.stack(ids), "seq_lens": seq_lens}, torch.stack(cot)
-
-
-def check(reference, rows, results, seq):
-    out = torch.cat([r[0] for r in results], 1)
-    grads = {n: sum(r[1][n] for r in results) for n in results[0][1]}
-    for b, row in enumerate(rows):
-        start = 0
-        for i in row:
-            n = LENGTHS[i]
-            torch.testing.assert_close(out[b, start : start + n], reference["outputs"][i],
-                                       atol=1e-5, rtol=1e-5)  # fmt: skip
-            start += n
-    want = {}
-    for row in rows:
-        for i in row:
-            for name, g in reference["grads"][i].items():
-                want[name] = want.get(name, 0) + g
-    assert grads.keys() == want.keys()
-    # 1e-5 relative to the tensor's largest entry; a tensor of tiny gradients (a 3-entry mHC
-    # scale sums products that cancel) is held to 1e-6 of the model's largest gradient instead
-    scale = max(float(w.abs().max()) for w in want.values())
-    for name, g in grads.items():
-        den = max(float(want[name].abs().max()), 0.1 * scale)
-        err = float((g - want[name]).abs().max()) / den
-        assert err <= 1e-5, (name, err)
-
-
 @st.composite
 def packing(draw):
     world = draw(st.sampled_from([1, 2, 4]))
@@ -105,23 +66,23 @@ def packing(draw):
 @given(packing())
 def test_packed_documents_equal_transformers_on_each_document(rank_pool, reference, case):
     world, rows, seq = case
-    batch, cot = pack(reference, rows, seq)
+    batch, cot = fns.pack(reference, rows, seq)
     results = rank_pool.run(fns.packed_forward_backward, world, FAMILY, GLM5_TINY,
                             reference["state"], batch, cot, timeout=POOL_TIMEOUT_S)  # fmt: skip
-    check(reference, rows, results, seq)
+    fns.check(reference, rows, results)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_one_document_spanning_every_rank_with_padding(rank_pool, reference, world):
     rows = [[10, 0], [9, 2, 4]]  # 37 + 1 tokens across every rank, short docs, padding
-    batch, cot = pack(reference, rows, 41)
+    batch, cot = fns.pack(reference, rows, 41)
     if world == 1:
         results = [fns.packed_forward_backward(None, FAMILY, GLM5_TINY, reference["state"],
                                                batch, cot)]  # fmt: skip
     else:
         results = rank_pool.run(fns.packed_forward_backward, world, FAMILY, GLM5_TINY,
                                 reference["state"], batch, cot, timeout=POOL_TIMEOUT_S)  # fmt: skip
-    check(reference, rows, results, 41)
+    fns.check(reference, rows, results)
 
 
 def test_without_a_context_the_original_code_runs(reference):
@@ -158,7 +119,7 @@ def test_compiled_model_does_not_recompile_across_packings(reference):
     for step in range(10):
         perm = torch.randperm(len(LENGTHS), generator=gen).tolist()
         rows = [perm[:3], perm[3:5]]
-        batch, _ = pack(reference, rows, 80)
+        batch, _ = fns.pack(reference, rows, 80)
         local, ctx = fcp.shard_batch(None, batch)
         got = compiled(input_ids=local["input_ids"], cp_context=ctx, use_cache=False)
         want = model(input_ids=local["input_ids"], cp_context=ctx, use_cache=False)

@@ -53,48 +53,8 @@ def references():
     return {f: dict(state=states[f], docs=docs, cots=cots, **r) for f, r in zip(FAMILIES, refs)}
 
 
-def pack(reference, rows: list[list[int]], seq: int):
-    """A packed batch of the pool's documents ``rows`` (indices), right-padded to ``seq``."""
-    ids, cot, lens = [], [], []
-    for row in rows:
-        docs = [reference["docs"][i] for i in row]
-        pad = seq - sum(len(d) for d in docs)
-        ids.append(torch.cat(docs + [torch.zeros(pad, dtype=torch.long)]))
-        cot.append(torch.cat([reference["cots"][i] for i in row] + [torch.zeros(pad, HIDDEN)]))
-        lens.append([len(d) for d in docs])
-    width = max(len(x) for x in lens)
-    seq_lens = torch.tensor([x + [-1000] * (width - len(x)) for x in lens])
-    return {"input_ids": torch.stack(ids), "seq_lens": seq_lens}, torch.stack(cot)
-
-
-def check(reference, rows, results):
-    """Outputs per document to 1e-5; summed parameter gradients to 1e-5 (relative, as GLM's)."""
-    out = torch.cat([r[0] for r in results], 1)
-    grads = {n: sum(r[1][n] for r in results) for n in results[0][1]}
-    for b, row in enumerate(rows):
-        start = 0
-        for i in row:
-            n = LENGTHS[i]
-            torch.testing.assert_close(out[b, start : start + n], reference["outputs"][i],
-                                       atol=1e-5, rtol=1e-5)  # fmt: skip
-            start += n
-    want = {}
-    for row in rows:
-        for i in row:
-            for name, g in reference["grads"][i].items():
-                want[name] = want.get(name, 0) + g
-    assert grads.keys() == want.keys()
-    scale = max(float(w.abs().max()) for w in want.values())
-    errs = {}
-    for name, g in grads.items():
-        den = max(float(want[name].abs().max()), 0.1 * scale)
-        errs[name] = float((g - want[name]).abs().max()) / den
-        assert errs[name] <= 1e-5, (name, errs[name])
-    return max(errs.values())
-
-
 def run(rank_pool, reference, family, world, rows, seq):
-    batch, cot = pack(reference, rows, seq)
+    batch, cot = fns.pack(reference, rows, seq)
     args = (family, CONFIGS[family], reference["state"], batch, cot)
     if world == 1:
         return [fns.packed_forward_backward(None, *args)]
@@ -123,16 +83,16 @@ def test_packed_documents_equal_transformers_on_each_document(rank_pool, referen
     world, rows, seq = case
     reference = references[family]
     results = rank_pool.run(fns.packed_forward_backward, world, family, CONFIGS[family],
-                            reference["state"], *pack(reference, rows, seq),
+                            reference["state"], *fns.pack(reference, rows, seq),
                             timeout=POOL_TIMEOUT_S)  # fmt: skip
-    check(reference, rows, results)
+    fns.check(reference, rows, results)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_document_spanning_every_rank_with_padding(rank_pool, references, family, world):
     rows = [[7, 0], [6, 1, 3]]  # 37 + 1 tokens across every rank, short docs, padding
-    err = check(references[family], rows, run(rank_pool, references[family], family, world, rows,
+    err = fns.check(references[family], rows, run(rank_pool, references[family], family, world, rows,
                                               41))  # fmt: skip
     print(f"\n[hf-{family}] {world} rank(s): max relative parameter-gradient error {err:.1e}")
 
@@ -183,7 +143,7 @@ def test_causal_lm_wrapper(references, family):
     lm.model.load_state_dict(references[family]["state"])
     enable_packed_cp(lm)
     assert all(isinstance(m, type(b)) for m, b in zip(lm.model.modules(), backbone.modules()))
-    batch, _ = pack(references[family], [[5, 1, 3]], 30)
+    batch, _ = fns.pack(references[family], [[5, 1, 3]], 30)
     local, ctx = fcp.shard_batch(None, batch)
     with torch.no_grad():
         logits = lm(input_ids=local["input_ids"], cp_context=ctx, use_cache=False).logits
@@ -208,7 +168,7 @@ def test_compiled_model_does_not_recompile_across_packings(references, family):
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=False)
     for _ in range(4):
         perm = torch.randperm(len(LENGTHS), generator=gen).tolist()
-        batch, _ = pack(references[family], [perm[:3], perm[3:5]], 80)
+        batch, _ = fns.pack(references[family], [perm[:3], perm[3:5]], 80)
         local, ctx = fcp.shard_batch(None, batch)
         got = compiled(input_ids=local["input_ids"], cp_context=ctx, use_cache=False)
         want = model(input_ids=local["input_ids"], cp_context=ctx, use_cache=False)
