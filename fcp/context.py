@@ -27,10 +27,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from fcp.checks import check_instance, check_int
 from fcp.groups import GroupInfo
 from fcp.layout import (
     PAD_DOC_ID,
-    check_int,
     position_ids_from_doc_ids,
     segment_cu_seqlens,
     validate_doc_ids,
@@ -39,7 +39,7 @@ from fcp.pytree import has_data, register_frozen_pytree
 
 _T = TypeVar("_T")
 
-__all__ = ["PackedContext"]
+__all__ = ["PackedContext", "check_context"]
 
 
 @dataclass(frozen=True)
@@ -246,3 +246,9 @@ class PackedContext:
 
 
 register_frozen_pytree(PackedContext, leaves=("doc_ids",), name="fcp.PackedContext")
+
+
+def check_context(value: Any, *, fn: str = "", name: str = "context") -> PackedContext:
+    """``value`` if it is a :class:`PackedContext`, else :class:`~fcp.checks.ArgumentTypeError`
+    naming ``fn`` and ``name`` (the one context check of every operator)."""
+    return check_instance(value, PackedContext, name, fn=fn)

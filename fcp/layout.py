@@ -25,22 +25,23 @@ device and have data-dependent output shapes.  ``document_starts``,
 ``position_ids_from_doc_ids`` and ``lengths_from_doc_ids``
 are compile-safe: no host sync, no data-dependent shapes.  Nothing loops over
 documents or tokens in Python.  Every rejection is a ``ValueError`` naming the
-argument and the offending value; verdicts depend only on the inputs, so CP
-ranks holding the same replicated metadata agree.
+argument and the offending value (a wrong type is :class:`fcp.checks.ArgumentTypeError`,
+also a ``ValueError``: the rule of :mod:`fcp.checks`); verdicts depend only on the
+inputs, so CP ranks holding the same replicated metadata agree.
 """
 
 from __future__ import annotations
 
-import operator
-
 import torch
+
+from fcp.checks import check_int, check_tensor
 
 __all__ = [
     "PAD_DOC_ID", "OUTSIDE_DOC_ID", "SEQ_LENS_SENTINEL", "doc_ids_window",
     "doc_ids_from_cu_seqlens", "doc_ids_from_seq_lens",
     "segment_cu_seqlens", "packed_boundaries_from_seq_lens",
     "document_starts", "position_ids_from_doc_ids", "lengths_from_doc_ids",
-    "validate_doc_ids", "validate_right_tail_mask", "check_int", "check_tensor",
+    "validate_doc_ids", "validate_right_tail_mask",
 ]  # fmt: skip
 
 PAD_DOC_ID = 0
@@ -52,47 +53,12 @@ SEQ_LENS_SENTINEL = -1000
 # ---- argument checks ---------------------------------------------------------
 
 
-def check_int(value, name: str, minimum: int | None = None) -> int:
-    """``value`` as an int (``TypeError`` for bools, floats, strings, None: never truncated),
-    at least ``minimum`` if given (``ValueError``). Every message names ``name`` and the value.
-
-    >>> check_int(3, "pad_multiple", 1)
-    3
-    """
-    try:
-        if isinstance(value, bool):  # operator.index would take True as 1
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
-
-
-def check_tensor(value, name: str) -> torch.Tensor:
-    """``value`` if it is a ``torch.Tensor``, else ``TypeError`` naming ``name`` and the value."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}: {value!r}")
-    return value
-
-
-
 def _require_tensor(x, name: str, integer: bool = False) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if integer and (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool):
-        raise ValueError(f"{name} has dtype {x.dtype}; expected an integer dtype")
+    check_tensor(x, name, kind="int" if integer else None)
 
 
 def _non_negative_int(value, name: str) -> int:
-    # check_int, with this module's convention: every rejection is a ValueError
-    try:
-        return check_int(value, name, 0)
-    except TypeError:
-        raise ValueError(f"{name} = {value!r} must be a non-negative int") from None
-    except ValueError:
-        raise ValueError(f"{name} = {value} is negative") from None
+    return check_int(value, name, 0)
 
 
 def _index_str(name: str, idx: tuple[int, ...]) -> str:
@@ -109,8 +75,7 @@ def _checked_seq_lens(seq_lens, seq_len, sentinel: int, name: str = "seq_lens") 
     """Validate per-row lengths and return int64 ``[batch, documents]`` real
     lengths with sentinel slots replaced by 0."""
     _require_tensor(seq_lens, name, integer=True)
-    if isinstance(sentinel, bool) or not isinstance(sentinel, int):
-        raise ValueError(f"sentinel/padding_value = {sentinel!r} must be an int")
+    sentinel = check_int(sentinel, "sentinel/padding_value")
     if sentinel >= 0:
         raise ValueError(
             f"sentinel/padding_value = {sentinel} must be negative: "

@@ -23,13 +23,12 @@ from typing import Any
 
 import torch
 
+from fcp.checks import check_int, check_tensor
 from fcp.comm import all_gather_sequence
 from fcp.context import PackedContext
 from fcp.groups import resolve_group
 from fcp.layout import (
     PAD_DOC_ID,
-    check_int,
-    check_tensor,
     doc_ids_from_cu_seqlens,
     doc_ids_from_seq_lens,
     position_ids_from_doc_ids,

@@ -226,7 +226,7 @@ def broken(draw, kind):
         dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16])) if kind == "float_dtype" else torch.bool
         fn = draw(st.sampled_from([doc_ids_from_seq_lens, doc_ids_from_cu_seqlens, packed_boundaries_from_seq_lens]))
         t = torch.tensor([0] + row).to(dtype)
-        return (lambda: fn(t, seq_len)), r"has dtype"
+        return (lambda: fn(t, seq_len)), r"must be an integer dtype"
     if kind == "bad_rank":
         shape = draw(st.sampled_from([(), (1, 1, len(row))]))
         t = torch.tensor(row).reshape(shape) if shape else torch.tensor(row[0])

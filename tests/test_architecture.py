@@ -2,7 +2,7 @@
 
 Layers (a module may import only its own layer or lower ones):
 
-    0  fcp.layout, fcp.groups, fcp.pytree, fcp.scan
+    0  fcp.checks, fcp.layout, fcp.groups, fcp.pytree, fcp.scan
     1  fcp.context
     2  fcp.comm
     3  fcp.shard, fcp.loss
@@ -32,7 +32,7 @@ MODULES = {module_name(p): p for p in FCP.rglob("*.py")}
 
 def layer(mod: str) -> tuple[int, str]:
     """``(layer, group)``: modules of one operator folder share a group."""
-    fixed = {"fcp.layout": 0, "fcp.groups": 0, "fcp.pytree": 0, "fcp.scan": 0, "fcp.context": 1,
+    fixed = {"fcp.checks": 0, "fcp.layout": 0, "fcp.groups": 0, "fcp.pytree": 0, "fcp.scan": 0, "fcp.context": 1,
              "fcp.comm": 2,
              "fcp.shard": 3, "fcp.loss": 3, "fcp.ops.common": 4, "fcp.ops.fla_support": 4, "fcp.ops": 4,
              "fcp.ops.doc_pools": 4, "fcp": 7}  # fmt: skip

@@ -95,13 +95,13 @@ def test_cu_seqlens_whole_row_single_doc():
         (T([1, 3]), 5, r"cu_seqlens\[0\] = 1; must start at 0"),
         (T([0, 4, 3]), 5, r"cu_seqlens\[2\] = 3 is less than cu_seqlens\[1\] = 4"),
         (T([0, 3, 6]), 5, r"cu_seqlens\[-1\] = 6 exceeds seq_len = 5"),
-        (T([0.0, 3.0]), 5, r"cu_seqlens has dtype torch.float32"),
-        (T([0, 1]).bool(), 5, r"cu_seqlens has dtype torch.bool"),
+        (T([0.0, 3.0]), 5, r"cu_seqlens must be an integer dtype, got dtype torch.float32"),
+        (T([0, 1]).bool(), 5, r"cu_seqlens must be an integer dtype, got dtype torch.bool"),
         (T(0), 5, r"cu_seqlens has shape \(\)"),
         (T([[0, 1], [0, 2]]), 5, r"cu_seqlens has shape \(2, 2\)"),
         (T([], dtype=torch.int64), 5, r"cu_seqlens has shape \(0,\)"),
         ([0, 3], 5, r"cu_seqlens must be a torch.Tensor"),
-        (T([0, 3]), -1, r"seq_len = -1 is negative"),
+        (T([0, 3]), -1, r"seq_len=-1 must be >= 0"),
     ],
 )
 def test_cu_seqlens_rejects(cu, seq_len, match):
@@ -144,13 +144,13 @@ def test_seq_lens_custom_padding_value_and_empty_shapes():
         (T([[1, S, 0]]), 9, {}, r"seq_lens\[0, 2\] = 0 follows a sentinel"),
         (T([[1, 1], [5, 5]]), 9, {}, r"seq_lens row 1 sums to 10 tokens, more than seq_len = 9"),
         (T([[2**62, 2**62]]), 9, {}, r"seq_lens row 0 sums to 9223372036854775808 tokens"),
-        (T([1]), True, {}, r"seq_len = True must be a non-negative int"),
-        (T([[1.0, 2.0]]), 9, {}, r"seq_lens has dtype torch.float32"),
-        (T([[True]]), 9, {}, r"seq_lens has dtype torch.bool"),
+        (T([1]), True, {}, r"seq_len must be an int, got True \(bool\)"),
+        (T([[1.0, 2.0]]), 9, {}, r"seq_lens must be an integer dtype, got dtype torch.float32"),
+        (T([[True]]), 9, {}, r"seq_lens must be an integer dtype, got dtype torch.bool"),
         (T(3), 9, {}, r"seq_lens has shape \(\)"),
         (T([[[1]]]), 9, {}, r"seq_lens has shape \(1, 1, 1\)"),
         (T([1]), 9, {"padding_value": 0}, r"padding_value = 0 must be negative"),
-        (T([1]), 2.5, {}, r"seq_len = 2.5 must be a non-negative int"),
+        (T([1]), 2.5, {}, r"seq_len must be an int, got 2.5 \(float\)"),
     ],
 )
 def test_seq_lens_rejects(lens, seq_len, kwargs, match):
@@ -174,7 +174,7 @@ def test_segment_cu_seqlens_worked_examples():
     "row, match",
     [
         (T([[1, 1], [1, 1]]), r"doc_ids_row has shape \(2, 2\)"),
-        (T([1.0, 2.0]), r"doc_ids_row has dtype torch.float32"),
+        (T([1.0, 2.0]), r"doc_ids_row must be an integer dtype, got dtype torch.float32"),
     ],
 )
 def test_segment_cu_seqlens_rejects(row, match):
@@ -209,8 +209,8 @@ def test_packed_boundaries_match_segments_of_doc_ids():
         (T([[1], [2]]), None, r"seq_lens has batch 2"),
         (T([3, -2]), None, r"seq_lens\[1\] = -2 is negative"),
         (T([S, 2]), None, r"seq_lens\[1\] = 2 follows a sentinel"),
-        (T([1.5]), None, r"seq_lens has dtype torch.float32"),
-        (T([3]), -1, r"total_tokens = -1 is negative"),
+        (T([1.5]), None, r"seq_lens must be an integer dtype, got dtype torch.float32"),
+        (T([3]), -1, r"total_tokens=-1 must be >= 0"),
     ],
 )
 def test_packed_boundaries_rejects(lens, total, match):

@@ -98,7 +98,7 @@ IDS = torch.ones(1, 4, dtype=torch.long)
 @pytest.mark.parametrize(
     "batch, kwargs, exc, match",
     [
-        ({"input_ids": [[1, 2, 3]]}, {}, TypeError, "input_ids must be a torch.Tensor, got list"),
+        ({"input_ids": [[1, 2, 3]]}, {}, TypeError, r"input_ids must be a torch.Tensor, got \[\[1, 2, 3\]\] \(list\)"),
         ({"input_ids": IDS, "attention_mask": [[1, 1, 1, 1]]}, {}, TypeError,
          "attention_mask must be a torch.Tensor"),
         ({"input_ids": IDS}, {"loss_mask": [[1, 1, 1, 1]]}, TypeError, "loss_mask must be"),

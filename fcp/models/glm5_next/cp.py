@@ -107,6 +107,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fcp.checks import check_int, check_tensor
 from fcp.comm import all_gather_backward_anchor as core_backward_anchor
 from fcp.comm import all_gather_sequence as core_all_gather_sequence
 from fcp.comm import dependent_zeros
@@ -115,8 +116,6 @@ from fcp.groups import resolve_group
 from fcp.layout import (
     PAD_DOC_ID,
     SEQ_LENS_SENTINEL,
-    check_int,
-    check_tensor,
     document_starts,
     validate_right_tail_mask,
 )

@@ -88,10 +88,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fcp.checks import check_int, check_tensor
 from fcp.comm import all_gather_sequence, left_halo
 from fcp.context import PackedContext
 from fcp.groups import mesh_size, resolve_group
-from fcp.layout import PAD_DOC_ID, SEQ_LENS_SENTINEL, check_int, check_tensor, lengths_from_doc_ids
+from fcp.layout import PAD_DOC_ID, SEQ_LENS_SENTINEL, lengths_from_doc_ids
 from fcp.layout import packed_boundaries_from_seq_lens as core_packed_boundaries
 from fcp.layout import validate_right_tail_mask
 from fcp.models.compat import (
