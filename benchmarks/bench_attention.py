@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from fcp.context import PackedContext
 from fcp.layout import doc_ids_from_seq_lens
-from fcp.ops.attention import compressed_attention, doc_causal_attention
+from fcp.ops.compressed import compressed_attention
+from fcp.ops.doc_causal import doc_causal_attention
 from examples.comm_accounting import CommBytes
 from tests.support.rank_pool import RankPool
 

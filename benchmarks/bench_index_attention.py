@@ -32,7 +32,8 @@ from fcp.context import PackedContext
 from fcp.layout import doc_ids_from_seq_lens
 from fcp.ops.index_attention import index_attention
 from fcp.ops.kpool_indexer import kpool_indexer
-from fcp.ops.qsa_indexer import qsa_indexer, rope_tables
+from fcp.ops.kit.norms import rope_tables
+from fcp.ops.qsa_indexer import qsa_indexer
 
 SHAPES = {
     "glm": dict(heads=4, kv_heads=4, dim=32, dv=32, kv="global"),

@@ -4,7 +4,7 @@ twice.
     .venv/bin/python benchmarks/bench_isolation.py [--lengths 1024 4096] [--repeats 7]
 
 fcp's mixing operators replace non-finite inputs by zero and non-finite output gradients by zero
-(:mod:`fcp.ops.common`). The benchmark's hybrid layer (``bench_scaling.layer``: short conv ->
+(:mod:`fcp.ops.kit.common`). The benchmark's hybrid layer (``bench_scaling.layer``: short conv ->
 KDA -> k-pool indexer -> index attention) runs forward + backward as shipped and with that
 isolation applied a second time around every operator; the difference is the isolation's cost,
 reported as a fraction of the layer (CPU time, 1 thread, median of interleaved repeats).
@@ -20,7 +20,7 @@ import torch
 
 import fcp
 from benchmarks.bench_scaling import D, _packing, _params, layer
-from fcp.ops.common import finite_or_zero, zero_nonfinite_grad
+from fcp.ops.kit.common import finite_or_zero, zero_nonfinite_grad
 
 
 class _Twice:

@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fcp import PackedContext, all_gather_sequence, short_conv
-from fcp.ops.attention import compressed_attention
+from fcp.ops.compressed import compressed_attention
 from fcp.ops.index_attention import index_attention
 from fcp.ops.kda import kda
 from fcp.ops.kpool_indexer import kpool_indexer

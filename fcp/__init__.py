@@ -7,32 +7,34 @@ Layers, bottom up (a module imports only the layers below it):
   helper and :class:`PackedContext`;
 * :mod:`fcp.comm` - funcol collectives: sequence gather, backward anchor, left halo, state chain;
 * :mod:`fcp.shard` - :func:`shard_batch` and its inverse :func:`gather_sequence`;
-* :mod:`fcp.ops` - operators (short conv, KDA, attention): one folder each, with its reference;
-* :mod:`fcp.models` - the seed adapters (GLM-5.3-Flash, Qwen3.8-Flash-Next).
+* :mod:`fcp.loss` - exact loss normalisation across data and context parallelism;
+* :mod:`fcp.ops` - operators (short conv, KDA, attention, indexers): one folder each, with its
+  reference, and :mod:`fcp.ops.kit`, what they share;
+* :mod:`fcp.models` - the seed adapters (GLM-5.3-Flash, Qwen3.8-Flash-Next);
+* :mod:`fcp.integrations` - transformers models on fcp (:mod:`fcp.integrations.hf`).
+
+``fcp.loss`` is imported with ``fcp``; ``fcp.integrations`` and ``fcp.models`` on first use
+(``fcp.integrations.hf.enable_packed_cp`` works right after ``import fcp``).
 """
 
-from fcp.layout import (
-    PAD_DOC_ID,
-    doc_ids_from_cu_seqlens,
-    doc_ids_from_seq_lens,
-    document_starts,
-    lengths_from_doc_ids,
-    packed_boundaries_from_seq_lens,
-    position_ids_from_doc_ids,
-    segment_cu_seqlens,
-    validate_doc_ids,
-    validate_right_tail_mask,
-)
+import importlib
+
+from fcp.layout import PAD_DOC_ID, doc_ids_from_cu_seqlens, doc_ids_from_seq_lens, document_starts
+from fcp.layout import lengths_from_doc_ids, packed_boundaries_from_seq_lens
+from fcp.layout import position_ids_from_doc_ids, segment_cu_seqlens, validate_doc_ids
+from fcp.layout import validate_right_tail_mask
 from fcp.groups import GroupInfo, resolve_group
 from fcp.context import PackedContext
 from fcp.comm import all_gather_backward_anchor, all_gather_sequence, left_halo, state_chain
 from fcp.shard import gather_sequence, shard_batch
-from fcp.ops.attention import compressed_attention, doc_causal_attention
+from fcp.ops.compressed import compressed_attention
+from fcp.ops.doc_causal import doc_causal_attention
 from fcp.ops.conv import short_conv
 from fcp.ops.index_attention import index_attention
 from fcp.ops.kda import kda
 from fcp.ops.kpool_indexer import kpool_indexer
 from fcp.ops.qsa_indexer import qsa_indexer
+from fcp import loss
 
 __all__ = [
     "PAD_DOC_ID",
@@ -50,6 +52,7 @@ __all__ = [
     "kda",
     "kpool_indexer",
     "left_halo",
+    "loss",
     "lengths_from_doc_ids",
     "packed_boundaries_from_seq_lens",
     "position_ids_from_doc_ids",
@@ -62,3 +65,13 @@ __all__ = [
     "validate_doc_ids",
     "validate_right_tail_mask",
 ]
+
+
+def __getattr__(name: str):
+    # the upper layers load on first use: ``import fcp`` stays the core's import
+    if name == "integrations":
+        importlib.import_module("fcp.integrations.hf")  # no transformers import: cheap
+        return importlib.import_module("fcp.integrations")
+    if name == "models":
+        return importlib.import_module("fcp.models")
+    raise AttributeError(f"module 'fcp' has no attribute {name!r}")

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from fcp.checks import check_instance, check_int
+from fcp.checks import check_instance, check_int, check_tensor
 from fcp.groups import GroupInfo
 from fcp.layout import (
     PAD_DOC_ID,
@@ -79,12 +79,10 @@ class PackedContext:
 
     def __post_init__(self) -> None:
         d = self.doc_ids
-        if not isinstance(d, torch.Tensor):
-            raise TypeError(f"doc_ids must be a torch.Tensor, got {type(d).__name__}")
+        check_tensor(d, "doc_ids", fn="PackedContext")
         if d.dim() != 2:
             raise ValueError(f"doc_ids must be [batch, sequence], got shape {tuple(d.shape)}")
-        if d.dtype != torch.int64:
-            raise ValueError(f"doc_ids must be int64, got {d.dtype}")
+        check_tensor(d, "doc_ids", fn="PackedContext", dtype=torch.int64)
         if d.is_meta and not torch.compiler.is_compiling():
             raise ValueError("doc_ids is a meta tensor; a context needs the real document map")
         cp_size = check_int(self.cp_size, "cp_size", 1)
@@ -236,7 +234,8 @@ class PackedContext:
 
     def check_row(self, row: int) -> int:
         """``row`` if it is a batch row of this context, else ``ValueError``."""
-        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.batch_size:
+        row = check_int(row, "row", 0)
+        if row >= self.batch_size:
             raise ValueError(f"row={row!r} is outside [0, batch={self.batch_size})")
         return row
 

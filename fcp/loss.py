@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from fcp.checks import check_positive_int, check_tensor
 from fcp.groups import resolve_group
 
 __all__ = ["GlobalMean", "global_token_mean", "loss_token_count"]
@@ -64,14 +65,10 @@ def global_token_mean(
         After the gradient reduction every rank's gradient is the gradient of the global mean.
     """
     info = resolve_group(group)
-    if isinstance(gradient_divide_factor, bool) or not isinstance(gradient_divide_factor, int) or (
-        gradient_divide_factor < 1
-    ):
-        raise ValueError(
-            f"gradient_divide_factor must be a positive int, got {gradient_divide_factor!r}"
-        )
-    if loss_sum.dim() != 0:
-        raise ValueError(f"loss_sum must be a scalar, got shape {tuple(loss_sum.shape)}")
+    name = "global_token_mean"
+    gradient_divide_factor = check_positive_int(gradient_divide_factor, "gradient_divide_factor",
+                                                fn=name)  # fmt: skip
+    check_tensor(loss_sum, "loss_sum", fn=name, kind="float", dim=0, layout="a scalar")
     count = torch.as_tensor(loss_tokens, device=loss_sum.device).to(torch.float32).reshape(())
     totals = torch.stack([loss_sum.detach().float(), count])
     if info.group is not None:

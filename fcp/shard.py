@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from fcp.checks import check_int, check_tensor
+from fcp.checks import check_bool, check_instance, check_int, check_tensor
 from fcp.comm import all_gather_sequence
 from fcp.context import PackedContext
 from fcp.groups import resolve_group
@@ -230,12 +230,10 @@ def shard_batch(
     Padding (by meaning): input ids ``padding_token_id``, embeddings 0, labels -100, loss mask 0,
     validity masks False, position ids 0, doc id 0.
     """
-    if not isinstance(batch, Mapping):
-        raise TypeError(f"batch must be a mapping, got {type(batch).__name__}")
+    check_instance(batch, Mapping, "batch", fn="shard_batch")
     pad_multiple = check_int(pad_multiple, "pad_multiple", 1)
     padding_token_id = check_int(padding_token_id, "padding_token_id", -(2**63))
-    if not isinstance(shard_primary, bool):
-        raise TypeError(f"shard_primary must be a bool, got {shard_primary!r}")
+    check_bool(shard_primary, "shard_primary", fn="shard_batch")
     has_ids = batch.get("input_ids") is not None
     has_embeds = batch.get("inputs_embeds") is not None
     if has_ids == has_embeds:

@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from fcp.context import PackedContext
-from fcp.ops.fla_support import build_fla_cp_context
-from fcp.ops.kda import kda_reference
+from fcp.ops.kit.fla import build_fla_cp_context
+from fcp.ops.kda.reference import kda_reference
 from tests import _fla_rank_fns as fns
 from tests._fla_rank_fns import NAMES, doc_ids_from_lengths, make_inputs, rel_err
 

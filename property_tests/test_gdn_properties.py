@@ -17,7 +17,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from fcp.context import PackedContext
-from fcp.ops.kda import kda, kda_reference
+from fcp.ops.kda import kda
+from fcp.ops.kda.reference import kda_reference
 from tests import _kda_rank_fns as fns
 from tests._kda_rank_fns import NAMES, doc_ids_from_lengths, make_inputs, rel_err
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
-from fcp.ops.index_attention import index_attention_reference
-from fcp.ops.kpool_indexer import kpool_indexer_reference
-from fcp.ops.qsa_indexer import qsa_indexer_reference, rope_tables
+from fcp.ops.index_attention.reference import index_attention_reference
+from fcp.ops.kpool_indexer.reference import kpool_indexer_reference
+from fcp.ops.kit.norms import rope_tables
+from fcp.ops.qsa_indexer.reference import qsa_indexer_reference
 from fcp.context import PackedContext
 from tests import _index_rank_fns as fns
 from tests._index_rank_fns import one_thread  # noqa: F401 (autouse fixture)

@@ -29,7 +29,7 @@ fla_interpret.enable()
 import torch  # noqa: E402
 
 from fcp.context import PackedContext  # noqa: E402
-from fcp.ops.conv import short_conv_reference  # noqa: E402
+from fcp.ops.conv.reference import short_conv_reference  # noqa: E402
 from fcp.ops.conv.fla import short_conv_fla_varlen  # noqa: E402
 from fcp.ops.kda.fla import fla_kda_fwd, kda_fla_static, kda_fla_varlen  # noqa: E402
 from fcp.ops.kda.reference import kda_recurrence, kda_reference  # noqa: E402

@@ -40,8 +40,8 @@ def cp_rank_job(env, inputs, doc, grad_out, x, w, b):
 
 
 def main() -> None:
-    from fcp.ops.conv import short_conv_reference
-    from fcp.ops.kda import kda_reference
+    from fcp.ops.conv.reference import short_conv_reference
+    from fcp.ops.kda.reference import kda_reference
     from tests.support.rank_pool import RankPool
 
     assert os.environ.get("TRITON_INTERPRET") == "1"

@@ -11,7 +11,7 @@ import torch
 
 from fcp.context import PackedContext
 import tests.support.fla_cpu_kernels  # noqa: F401  (CPU kernels of the fcp::fla_* ops)
-from fcp.ops.fla_support import build_fla_cp_context
+from fcp.ops.kit.fla import build_fla_cp_context
 from fcp.ops.kda.fla import kda_fla_static
 
 NAMES = ("q", "k", "v", "g", "beta")

@@ -22,7 +22,8 @@ from fcp.comm import all_gather_sequence
 from fcp.context import PackedContext
 from fcp.ops.index_attention import index_attention
 from fcp.ops.kpool_indexer import kpool_indexer
-from fcp.ops.qsa_indexer import qsa_indexer, rope_tables
+from fcp.ops.kit.norms import rope_tables
+from fcp.ops.qsa_indexer import qsa_indexer
 
 ATTENTION_OPS = ("attn", "attn_global", "glm", "qsa_attn")
 INDEXER_OPS = ("kpool", "qsa")

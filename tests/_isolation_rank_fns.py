@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from fcp.context import PackedContext
-from fcp.ops.attention import compressed_attention, doc_causal_attention
+from fcp.ops.compressed import compressed_attention
+from fcp.ops.doc_causal import doc_causal_attention
 from fcp.ops.conv import short_conv
 from fcp.ops.kda import kda
 

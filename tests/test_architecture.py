@@ -1,4 +1,5 @@
-"""The shape of the package: layers read bottom up, no cycles, no private names across modules.
+"""The shape of the package: layers read bottom up, no cycles, no private names across modules,
+and every operator folder shaped alike.
 
 Layers (a module may import only its own layer or lower ones):
 
@@ -6,10 +7,15 @@ Layers (a module may import only its own layer or lower ones):
     1  fcp.context
     2  fcp.comm
     3  fcp.shard, fcp.loss
-    4  fcp.ops.common, fcp.ops.fla_support, fcp.ops.doc_pools
-    5  fcp.ops.<operator> (conv, kda, attention, ...): never another operator's folder
+    4  fcp.ops, fcp.ops.kit.* (the operators' shared toolkit)
+    5  fcp.ops.<operator> (conv, kda, doc_causal, ...): never another operator's folder
     6  fcp.models, fcp.integrations
     7  fcp (the package's public namespace)
+
+Operator folders (``fcp/ops/<operator>/``): ``__init__.py`` is the only dispatcher (it checks
+arguments, chooses a backend from ``BACKENDS`` and calls it; it moves no data, so it never imports
+``fcp.comm``); ``reference.py`` is only the oracle (nothing but other references and tests imports
+it); every other module is a backend, or a piece the backends share, reached from ``__init__``.
 """
 
 from __future__ import annotations
@@ -34,11 +40,12 @@ def layer(mod: str) -> tuple[int, str]:
     """``(layer, group)``: modules of one operator folder share a group."""
     fixed = {"fcp.checks": 0, "fcp.layout": 0, "fcp.groups": 0, "fcp.pytree": 0, "fcp.scan": 0, "fcp.context": 1,
              "fcp.comm": 2,
-             "fcp.shard": 3, "fcp.loss": 3, "fcp.ops.common": 4, "fcp.ops.fla_support": 4, "fcp.ops": 4,
-             "fcp.ops.doc_pools": 4, "fcp": 7}  # fmt: skip
+             "fcp.shard": 3, "fcp.loss": 3, "fcp.ops": 4, "fcp": 7}  # fmt: skip
     if mod in fixed:
         return fixed[mod], mod
     parts = mod.split(".")
+    if parts[:3] == ["fcp", "ops", "kit"]:
+        return 4, mod
     if parts[1] == "ops":
         return 5, ".".join(parts[:3])
     if parts[1] in ("models", "integrations"):
@@ -139,3 +146,47 @@ def test_no_environment_variable_or_global_statement_chooses_behaviour():
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
                 bad.append(f"{mod}:{node.lineno} reads os.{node.attr}")
     assert not bad, "\n".join(bad)
+
+
+OPERATORS = sorted({m.split(".")[2] for m in MODULES
+                    if m.startswith("fcp.ops.") and m.count(".") >= 2 and m.split(".")[2] != "kit"})
+
+
+def test_every_operator_folder_has_a_dispatcher_and_a_reference():
+    assert len(OPERATORS) >= 7, OPERATORS
+    for op in OPERATORS:
+        assert f"fcp.ops.{op}" in MODULES and MODULES[f"fcp.ops.{op}"].name == "__init__.py", op
+        assert f"fcp.ops.{op}.reference" in MODULES, f"fcp/ops/{op}/ has no reference.py"
+        tree = ast.parse(MODULES[f"fcp.ops.{op}"].read_text())
+        assigned = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)}  # fmt: skip
+        assert "BACKENDS" in assigned, f"fcp.ops.{op} defines no BACKENDS"
+
+
+def test_only_references_import_references():
+    bad = []
+    for mod in MODULES:
+        for target, _, line in imports(mod):
+            if target.endswith(".reference") and not mod.endswith(".reference"):
+                bad.append(f"{mod}:{line} imports the oracle {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_dispatchers_move_no_data():
+    bad = [f"fcp.ops.{op}:{line} imports {target}" for op in OPERATORS
+           for target, _, line in imports(f"fcp.ops.{op}") if target == "fcp.comm"]  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+def test_every_backend_module_is_reached_from_its_dispatcher():
+    for op in OPERATORS:
+        folder = [m for m in MODULES if m.startswith(f"fcp.ops.{op}.")]
+        reached, todo = set(), [f"fcp.ops.{op}"]
+        while todo:
+            mod = todo.pop()
+            for target, _, _ in imports(mod):
+                if target.startswith(f"fcp.ops.{op}.") and target not in reached:
+                    reached.add(target)
+                    todo.append(target)
+        stray = [m for m in folder if m not in reached and not m.endswith(".reference")]
+        assert not stray, f"fcp.ops.{op}: modules no backend path uses: {stray}"

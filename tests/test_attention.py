@@ -1,4 +1,4 @@
-"""Unit tests for fcp.ops.attention.
+"""Unit tests for fcp.ops.doc_causal and fcp.ops.compressed.
 
 Each operator is checked against its float64 reference (``<op>/reference.py``: the definition,
 one query at a time, Python loops over keys/blocks), forward and q/k/v gradients;
@@ -15,8 +15,8 @@ import torch
 
 from fcp.context import PackedContext
 from fcp.layout import doc_ids_from_seq_lens
-from fcp.ops.attention.compressed import compressed_attention_reference as ref_compressed
-from fcp.ops.attention.doc_causal import doc_causal_attention_reference as ref_doc_causal
+from fcp.ops.compressed.reference import compressed_attention_reference as ref_compressed
+from fcp.ops.doc_causal.reference import doc_causal_attention_reference as ref_doc_causal
 from tests import _attention_rank_fns as fns
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
@@ -197,7 +197,8 @@ def test_bad_arguments(bad):
     doc_ids = packing(8, [8])
     t = fns.make_inputs(0, 1, 8, heads=3, kv_heads=1)
     ctx = PackedContext(doc_ids)
-    from fcp.ops.attention import compressed_attention, doc_causal_attention
+    from fcp.ops.compressed import compressed_attention
+    from fcp.ops.doc_causal import doc_causal_attention
 
     with pytest.raises(ValueError):
         if bad == "heads":

@@ -7,7 +7,8 @@ import torch
 
 from fcp.context import PackedContext
 from fcp.layout import doc_ids_from_seq_lens
-from fcp.ops.conv import short_conv, short_conv_reference
+from fcp.ops.conv import short_conv
+from fcp.ops.conv.reference import short_conv_reference
 from tests import _conv_rank_fns as fns
 
 

@@ -28,10 +28,12 @@ import pytest
 import torch
 
 from fcp.context import PackedContext
-from fcp.ops.conv import short_conv, short_conv_reference
+from fcp.ops.conv import short_conv
+from fcp.ops.conv.reference import short_conv_reference
 from fcp.ops.conv.fla import fla_conv_varlen_bwd, fla_conv_varlen_fwd, short_conv_fla_varlen
-from fcp.ops.fla_support import build_fla_cp_context, fla_cp_fields
-from fcp.ops.kda import kda, kda_reference
+from fcp.ops.kit.fla import build_fla_cp_context, fla_cp_fields
+from fcp.ops.kda import kda
+from fcp.ops.kda.reference import kda_reference
 from fcp.ops.kda.fla import (
     RESET_LOG_DECAY,
     fla_kda_bwd,
@@ -81,7 +83,7 @@ def test_import_fcp_does_not_import_fla_and_ops_are_cuda_only():
     """Importing fcp's FLA backends does not import FLA (seconds), and fcp registers only CUDA
     kernels for its ops (the CPU kernels used in this file are test doubles)."""
     code = (
-        "import sys, fcp, fcp.ops.kda.fla as k, fcp.ops.conv.fla as c, fcp.ops.fla_support\n"
+        "import sys, fcp, fcp.ops.kda.fla as k, fcp.ops.conv.fla as c, fcp.ops.kit.fla\n"
         "import fcp.models.glm5_next.cp, fcp.models.qwen3_8_flash_next.cp\n"
         "ops = [k.fla_kda_fwd, k.fla_kda_bwd, k.fla_kda_varlen_fwd, k.fla_kda_varlen_bwd,\n"
         "       c.fla_conv_varlen_fwd, c.fla_conv_varlen_bwd]\n"

@@ -14,7 +14,8 @@ import torch
 
 from fcp.context import PackedContext
 from fcp.layout import doc_ids_from_seq_lens
-from fcp.ops.index_attention import gather, index_attention, index_attention_reference
+from fcp.ops.index_attention import gather, index_attention
+from fcp.ops.index_attention.reference import index_attention_reference
 from tests import _index_rank_fns as fns
 from tests._index_rank_fns import one_thread  # noqa: F401 (autouse fixture)
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from fcp.context import PackedContext
-from fcp.ops.doc_pools import pool_slots
-from fcp.ops.kpool_indexer import kpool_indexer, kpool_indexer_reference
+from fcp.ops.kit.pools import pool_slots
+from fcp.ops.kpool_indexer import kpool_indexer
+from fcp.ops.kpool_indexer.reference import kpool_indexer_reference
 from tests import _index_rank_fns as fns
 from tests._index_rank_fns import one_thread  # noqa: F401 (autouse fixture)
 from tests.test_index_attention import packing, random_packings

@@ -17,8 +17,9 @@ import torch
 
 from fcp.context import PackedContext
 from fcp.ops.index_attention import index_attention
-from fcp.ops.qsa_indexer import qsa_indexer, qsa_indexer_reference, rope_tables
-from fcp.ops.qsa_indexer import rotate_half_rope, zero_centered_rms_norm
+from fcp.ops.kit.norms import rope_tables, rotate_half_rope, zero_centered_rms_norm
+from fcp.ops.qsa_indexer import qsa_indexer
+from fcp.ops.qsa_indexer.reference import qsa_indexer_reference
 from tests import _index_rank_fns as fns
 from tests._index_rank_fns import one_thread  # noqa: F401 (autouse fixture)
 from tests.test_index_attention import packing, random_packings

@@ -24,7 +24,7 @@ layer: a ``(W - 1)``-token left halo of its conv input and one fp32 state-chain 
   all-gathers its pooled keys: never the expanded K/V or the hidden states.
 * Kimi-Linear (``kimi_linear``): ``KimiLinearDeltaAttention`` (the same KDA layer, per-channel
   gate) and ``KimiLinearAttention`` (NoPE MLA, full causal attention within each document by
-  :func:`fcp.ops.attention.doc_causal_attention`). Under CP the MLA layer all-gathers its
+  :func:`fcp.ops.doc_causal_attention`). Under CP the MLA layer all-gathers its
   expanded K/V (``heads * (qk_head_dim + v_head_dim)`` per token).
 * Qwen3-Next (``qwen3_next``): ``Qwen3NextGatedDeltaNet`` (interleaved ``in_proj_qkvz`` /
   ``in_proj_ba`` projections, short conv over q/k/v, Gated DeltaNet: :func:`fcp.ops.kda.kda` with
@@ -48,7 +48,7 @@ from torch import nn
 
 from fcp.comm import all_gather_sequence
 from fcp.context import PackedContext
-from fcp.ops.attention import doc_causal_attention
+from fcp.ops.doc_causal import doc_causal_attention
 from fcp.ops.conv import short_conv
 from fcp.ops.index_attention import index_attention
 from fcp.ops.kda import kda
@@ -210,7 +210,7 @@ class PackedKimiAttention(_Adopted):
     ``forward(hidden_states [B, L, D], attention_mask, cache=None, cp_context=None, ...) ->
     (out, None)``: with a ``cp_context``, the queries (``q_proj``, or the ``q_lora_rank`` path),
     the KV latent and its shared rope-part key, K/V expanded per head, then causal softmax
-    attention within each document (:func:`fcp.ops.attention.doc_causal_attention`, scale
+    attention within each document (:func:`fcp.ops.doc_causal_attention`, scale
     ``qk_head_dim ** -0.5``). No positional rotation: the layer is NoPE, as in transformers.
     """
 
@@ -280,7 +280,7 @@ class PackedQwen3NextAttention(_Adopted):
     at the tokens' **document-local** positions (``cp_context.local_position_ids``, cos/sin from
     the model's own rotary embedding module; the ``position_embeddings`` transformers passes,
     computed at row positions, are ignored), causal GQA attention within each document
-    (:func:`fcp.ops.attention.doc_causal_attention`, scale ``head_dim ** -0.5``), the sigmoid
+    (:func:`fcp.ops.doc_causal_attention`, scale ``head_dim ** -0.5``), the sigmoid
     output gate and ``o_proj``.
 
     :func:`enable_packed_cp` hands it the rotary embedding of the enclosing model

@@ -30,7 +30,7 @@ import fcp.ops.kda.fla  # noqa: F401  (defines the KDA ops)
 from fcp.context import PackedContext
 from fcp.layout import doc_ids_from_cu_seqlens, document_starts
 from fcp.ops.conv.masked import short_conv_masked
-from fcp.ops.fla_support import state_dtype
+from fcp.ops.kit.fla import state_dtype
 from fcp.ops.kda.reference import kda_recurrence
 
 __all__ = ["chunk_local_cumsum"]

@@ -17,7 +17,7 @@ seed name                       delegates to
 ``Glm5NextPackedContext``       :class:`fcp.context.PackedContext` (``to_packed_context``)
 ``all_gather_sequence``         :func:`fcp.comm.all_gather_sequence` (funcol, compile-safe)
 ``all_gather_backward_anchor``  :func:`fcp.comm.all_gather_backward_anchor`, shaped ``(B, 1, 1)``
-``build_fla_cp_context``        ``fcp.ops.fla_support.build_fla_cp_context`` (FLA imported lazily)
+``build_fla_cp_context``        ``fcp.ops.kit.fla.build_fla_cp_context`` (FLA imported lazily)
 ``doc_ids_from_cu_seqlens``     :func:`fcp.layout.doc_ids_from_cu_seqlens`, NeMo's numbering
 ``doc_ids_from_seq_lens``       :func:`fcp.layout.doc_ids_from_seq_lens`, NeMo's numbering
 ``segment_cu_seqlens``          :func:`fcp.layout.segment_cu_seqlens` (int32 like NeMo)
@@ -414,14 +414,14 @@ def build_fla_cp_context(
 
     Returns:
         FLA ``FLACPContext`` carrying segment and process-group metadata, planned by
-        ``fcp.ops.fla_support.build_fla_cp_context`` (field for field what FLA's own builder
+        ``fcp.ops.kit.fla.build_fla_cp_context`` (field for field what FLA's own builder
         gives; memoised per row, width and group).
 
     Raises:
         RuntimeError: FLA is not importable (as NeMo).
     """
     try:
-        from fcp.ops.fla_support import build_fla_cp_context as plan  # imports FLA lazily
+        from fcp.ops.kit.fla import build_fla_cp_context as plan  # imports FLA lazily
         import fla.ops.cp  # noqa: F401
     except ImportError as err:
         raise RuntimeError(

@@ -1,6 +1,6 @@
 """Document-masked short causal convolution (the q/k/v pre-mixer), exact under contiguous CP.
 
-* :mod:`.reference` - the definition: ``F.conv1d`` per document;
+* :mod:`.reference` - the definition: ``F.conv1d`` per document (tests only);
 * :mod:`.masked` - the exact static-shape PyTorch path (``backend="masked"``, the default);
 * :mod:`.fla` - FLA's ``causal_conv1d`` with ``cu_seqlens`` (``backend="fla_varlen"``, CUDA).
 
@@ -11,28 +11,43 @@ from __future__ import annotations
 
 import torch
 
-from fcp.context import PackedContext
-from fcp.ops.common import choose_backend
-from fcp.ops.conv.masked import check_conv_inputs, short_conv_masked
-from fcp.ops.conv.reference import short_conv_reference
+from fcp.checks import check_choice, check_positive_int, check_tensor
+from fcp.context import PackedContext, check_context
+from fcp.ops.conv.masked import short_conv_masked
+from fcp.ops.kit.common import choose_backend
 
-__all__ = ["BACKENDS", "short_conv", "short_conv_reference"]
+__all__ = ["ACTIVATIONS", "BACKENDS", "check_conv_inputs", "short_conv"]
 
 #: ``"masked"``: exact PyTorch, every device, static shapes. ``"fla_varlen"``: FLA's kernel with
 #: host-side ``cu_seqlens`` (CUDA; single-hop CP halo; no dilation).
 BACKENDS = ("masked", "fla_varlen")
+ACTIVATIONS = (None, "silu", "swish")
 
 
-def short_conv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    context: PackedContext,
-    activation: str | None = None,
-    *,
-    dilation: int = 1,
-    backend: str = "auto",
-) -> torch.Tensor:
+def check_conv_inputs(x, weight, bias, context: PackedContext, activation, dilation=1) -> int:
+    """Arguments of :func:`short_conv` (the :mod:`fcp.checks` rule); returns ``dilation``."""
+    name = "short_conv"
+    dilation = check_positive_int(dilation, "dilation", fn=name)
+    check_context(context, fn=name)
+    check_choice(activation, "activation", ACTIVATIONS, fn=name)
+    check_tensor(x, "x", fn=name, kind="float", dim=3, layout="[batch, local_seq, channels]")
+    check_tensor(weight, "weight", fn=name, kind="float", dim=2, layout="[channels, width]")
+    channels, width = weight.shape
+    if x.shape[-1] != channels or width < 1:
+        raise ValueError(f"{name}: weight {tuple(weight.shape)} does not match x channels {x.shape[-1]}")
+    if bias is not None:
+        check_tensor(bias, "bias", fn=name, kind="float", shape=(channels,))
+    if x.shape[0] != context.batch_size or x.shape[1] != context.local_seq_len:
+        raise ValueError(
+            f"{name}: x is [batch={x.shape[0]}, local_seq={x.shape[1]}] but the context has batch "
+            f"{context.batch_size} and local_seq_len {context.local_seq_len}"
+        )
+    return dilation
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               context: PackedContext, activation: str | None = None, *, dilation: int = 1,
+               backend: str = "auto") -> torch.Tensor:
     """Depthwise causal conv1d that never mixes two documents.
 
     Args:
@@ -49,7 +64,7 @@ def short_conv(
             ``dilation=1``); see :data:`BACKENDS`.
 
     Returns:
-        ``[batch, local_seq, channels]`` in ``x``'s dtype, accumulated in fp32.
+        ``[batch, local_seq, channels]`` in ``x``'s dtype, accumulated in fp32 (fp64 for fp64).
 
     Parameter gradients (``weight``, ``bias``) are per-rank partial sums under CP: the
     data-parallel gradient reduction over the CP ranks sums them.
@@ -61,7 +76,7 @@ def short_conv(
         >>> short_conv(torch.tensor([[[1.0], [2.0], [3.0]]]), torch.ones(1, 2), None, ctx).flatten()
         tensor([1., 3., 3.])
     """
-    check_conv_inputs(x, weight, bias, context, activation, dilation)
+    dilation = check_conv_inputs(x, weight, bias, context, activation, dilation)
     backend = choose_backend("short_conv", backend, BACKENDS, "masked")
     if backend == "masked":
         return short_conv_masked(x, weight, bias, context, activation, dilation)

@@ -20,15 +20,8 @@ import torch
 from torch import Tensor
 
 from fcp.context import PackedContext
-from fcp.ops.fla_support import (
-    build_fla_cp_context,
-    contiguous_or_none,
-    device_guard,
-    empty,
-    grad_like,
-    group_name,
-    make_fla_cp_context,
-)
+from fcp.ops.kit.fla import build_fla_cp_context, contiguous_or_none, device_guard, empty
+from fcp.ops.kit.fla import grad_like, group_name, make_fla_cp_context
 
 __all__ = ["fla_conv_varlen_fwd", "short_conv_fla_varlen"]
 
@@ -49,17 +42,9 @@ def _conv_cp_state_shape(x, weight, cu_seqlens, group_name, is_first_rank):
 
 
 @torch.library.custom_op("fcp::fla_conv_varlen_fwd", mutates_args=(), device_types="cuda")
-def fla_conv_varlen_fwd(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    cu_seqlens: Tensor,
-    cu_seqlens_cpu: Tensor,
-    activation: str,
-    group_name: str,
-    pre_num_conv_tokens: int,
-    is_first_rank: bool,
-) -> tuple[Tensor, Tensor]:
+def fla_conv_varlen_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], cu_seqlens: Tensor,
+                        cu_seqlens_cpu: Tensor, activation: str, group_name: str,
+                        pre_num_conv_tokens: int, is_first_rank: bool) -> tuple[Tensor, Tensor]:
     """FLA ``causal_conv1d`` forward on one row ``[1, T, D]``: ``(y, initial_state)``.
 
     ``weight [D, W]`` (``weight[:, -1]`` multiplies the current token), ``activation`` ``""`` or
@@ -81,15 +66,9 @@ def fla_conv_varlen_fwd(
                 x=x, weight=weight, cu_seqlens=cu_seqlens, context=cp, group=cp.group
             )
         y, _ = causal_conv1d_fwd(
-            x=x,
-            weight=weight,
-            bias=bias,
-            residual=None,
-            initial_state=state,
-            output_final_state=False,
-            activation=_fla_activation(activation),
-            cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu,
+            x=x, weight=weight, bias=bias, residual=None, initial_state=state,
+            output_final_state=False, activation=_fla_activation(activation),
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         )
     if state is None:
         state = x.new_zeros(_conv_cp_state_shape(x, weight, cu_seqlens, "", True))
@@ -103,19 +82,10 @@ def _(x, weight, bias, cu_seqlens, cu_seqlens_cpu, activation, group_name, pre, 
 
 
 @torch.library.custom_op("fcp::fla_conv_varlen_bwd", mutates_args=(), device_types="cuda")
-def fla_conv_varlen_bwd(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    initial_state: Tensor,
-    dy: Tensor,
-    cu_seqlens: Tensor,
-    cu_seqlens_cpu: Tensor,
-    activation: str,
-    group_name: str,
-    pre_num_conv_tokens: int,
-    is_first_rank: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+def fla_conv_varlen_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Tensor,
+                        dy: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor, activation: str,
+                        group_name: str, pre_num_conv_tokens: int,
+                        is_first_rank: bool) -> tuple[Tensor, Tensor, Tensor]:
     """FLA ``causal_conv1d`` backward: ``(dx, dweight, dbias)`` (``dbias`` empty without bias)."""
     from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
 
@@ -123,15 +93,8 @@ def fla_conv_varlen_bwd(
     state = initial_state if initial_state.numel() else None
     with device_guard(x):
         dx, dw, db, _, dh0 = causal_conv1d_bwd(
-            x=x,
-            dy=dy.contiguous(),
-            dht=None,
-            weight=weight,
-            bias=bias,
-            residual=None,
-            initial_state=state,
-            activation=_fla_activation(activation),
-            cu_seqlens=cu_seqlens,
+            x=x, dy=dy.contiguous(), dht=None, weight=weight, bias=bias, residual=None,
+            initial_state=state, activation=_fla_activation(activation), cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu,
         )
         if group_name:
@@ -171,13 +134,8 @@ def _conv_backward(ctx, dy, _dstate):
 fla_conv_varlen_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
 
 
-def short_conv_fla_varlen(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    context: PackedContext,
-    activation: str | None = None,
-) -> torch.Tensor:
+def short_conv_fla_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          context: PackedContext, activation: str | None = None) -> torch.Tensor:
     """The ``"fla_varlen"`` backend of :func:`fcp.ops.conv.short_conv` (arguments checked there;
     no dilation).
 

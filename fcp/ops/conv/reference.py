@@ -8,14 +8,9 @@ import torch.nn.functional as F
 __all__ = ["short_conv_reference"]
 
 
-def short_conv_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    doc_ids: torch.Tensor,
-    activation: str | None = None,
-    dilation: int = 1,
-) -> torch.Tensor:
+def short_conv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         doc_ids: torch.Tensor, activation: str | None = None,
+                         dilation: int = 1) -> torch.Tensor:
     """Single-process reference: ``F.conv1d`` run separately on every document of every row.
 
     ``x`` ``[batch, seq, channels]`` and ``doc_ids`` ``[batch, seq]`` are global; ``weight``

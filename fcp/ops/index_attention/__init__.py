@@ -4,7 +4,7 @@ One operator serves both selections fcp ships: GLM-5.3-Flash's DSA k-pool indexe
 (:func:`fcp.ops.kpool_indexer.kpool_indexer`, MLA head layout) and Qwen3.8-Flash-Next's QSA
 (:func:`fcp.ops.qsa_indexer.qsa_indexer`, GQA). Any other producer of global token ids works.
 
-* :mod:`.reference` - the definition (a float64 per-query loop) and the argument rules;
+* :mod:`.reference` - the definition (a float64 per-query loop; tests only);
 * :mod:`.gather` - the ``"gather"`` backend: gathers the selected keys (``O(W)`` per query,
   no ``local x sequence`` mask), the same code on CPU and CUDA.
 
@@ -15,35 +15,24 @@ from __future__ import annotations
 
 import torch
 
-from fcp.comm import all_gather_backward_anchor, all_gather_sequence
-from fcp.context import PackedContext
-from fcp.ops.common import choose_backend, default_scale, finite_or_zero, zero_nonfinite_grad
-from fcp.ops.index_attention.gather import gather_attention, selected_slots
-from fcp.ops.index_attention.reference import (
-    check_index_attention_inputs,
-    index_attention_reference,
-)
+from fcp.checks import check_choice, check_positive_int, check_tensor
+from fcp.context import PackedContext, check_context
+from fcp.ops.index_attention.gather import index_attention_gather
+from fcp.ops.kit.attention import check_qkv
+from fcp.ops.kit.common import choose_backend, default_scale, finite_or_zero, zero_nonfinite_grad
 
-__all__ = ["BACKENDS", "KV_MODES", "index_attention", "index_attention_reference"]
+__all__ = ["BACKENDS", "KV_MODES", "index_attention"]
 
 #: ``"gather"``: gathers each query's selected keys and values (exact, every device).
 BACKENDS = ("gather",)
+_RUN = {"gather": index_attention_gather}
 #: ``"local"``: k/v are this rank's shards, all-gathered here. ``"global"``: k/v are full length.
 KV_MODES = ("local", "global")
 
 
-def index_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    indices: torch.Tensor,
-    context: PackedContext,
-    scale: float | None = None,
-    *,
-    kv: str = "local",
-    query_chunk: int | None = None,
-    backend: str = "auto",
-) -> torch.Tensor:
+def index_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                    context: PackedContext, scale: float | None = None, *, kv: str = "local",
+                    query_chunk: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Softmax attention of each query over its selected global tokens.
 
     Args:
@@ -79,7 +68,7 @@ def index_attention(
     Guarantees: every query reads only tokens of its own document at or before it, so outputs
     are bitwise independent of other documents; a NaN/inf in one document's inputs or output
     gradient leaves every other document's outputs and gradients unchanged
-    (:mod:`fcp.ops.common`). Under CP the result equals the single-process one to fp32
+    (:mod:`fcp.ops.kit.common`). Under CP the result equals the single-process one to fp32
     rounding (the K/V gradients are summed over ranks). No host synchronisation, static
     shapes: a compiled model never recompiles for a new packing or selection.
 
@@ -88,33 +77,18 @@ def index_attention(
     (token 0 is another document).
     """
     name = "index_attention"
-    if not isinstance(context, PackedContext):
-        raise TypeError(f"{name}: context must be a PackedContext, got {type(context).__name__}")
-    if kv not in KV_MODES:
-        raise ValueError(f"{name}: kv must be one of {KV_MODES}, got {kv!r}")
+    check_context(context, fn=name)
+    kv = check_choice(kv, "kv", KV_MODES, fn=name)
     local = context.local_seq_len
-    key_len = local if kv == "local" else context.global_seq_len
-    check_index_attention_inputs(name, q, k, v, indices, context.batch_size, local, key_len)
-    choose_backend(name, backend, BACKENDS, "gather")
-    if query_chunk is not None and (
-        isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1
-    ):
-        raise ValueError(f"{name}: query_chunk must be a positive int or None, got {query_chunk!r}")
+    check_qkv(name, q, k, v, context, key_len=local if kv == "local" else context.global_seq_len)
+    check_tensor(indices, "indices", fn=name, kind="int", shape=(q.shape[0], local, None),
+                 layout="[batch, local_seq, width]")  # fmt: skip
+    if indices.shape[2] < 1:
+        raise ValueError(f"{name}: indices {tuple(indices.shape)} must have width >= 1")
+    if query_chunk is not None:
+        query_chunk = check_positive_int(query_chunk, "query_chunk", fn=name)
+    backend = choose_backend(name, backend, BACKENDS, "gather")
     scale = default_scale(q.shape[-1], scale)
     q, k, v = finite_or_zero(q), finite_or_zero(k), finite_or_zero(v)
-    end, dk = context.seq_end, k.shape[-1]
-    common = torch.promote_types(k.dtype, v.dtype)
-    if kv == "local":
-        kv_all = all_gather_sequence(torch.cat([k.to(common), v.to(common)], -1), context)
-        received = [kv_all]
-        kv_all = kv_all[:, :end]  # keys after this rank's queries are never selected
-    else:
-        received = [k, v]
-        kv_all = torch.cat([k[:, :end].to(common), v[:, :end].to(common)], -1)
-    slots, valid = selected_slots(indices.detach(), context.doc_ids, context.seq_start)
-    out = gather_attention(q, kv_all, dk, slots, valid, scale, query_chunk)
-    if context.cp_enabled:
-        # the backward reduce-scatter of the K/V gather runs on every rank, whatever the loss
-        for t in received:
-            out = out + all_gather_backward_anchor(t).to(out.dtype)
+    out = _RUN[backend](q, k, v, indices.detach(), context, scale, kv, query_chunk)
     return zero_nonfinite_grad(out)

@@ -29,16 +29,25 @@ from __future__ import annotations
 
 import torch
 
+from fcp.comm import all_gather_sequence
+from fcp.context import PackedContext
 from fcp.layout import PAD_DOC_ID
+from fcp.ops.kit.attention import with_anchors
 
-__all__ = ["selected_slots", "gather_attention", "chunk_rows", "CHUNK_ELEMENTS"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "chunk_rows",
+    "gather_attention",
+    "index_attention_gather",
+    "selected_slots",
+]
 
 #: Default target size, in elements, of one query chunk's gathered keys, values and scores.
 CHUNK_ELEMENTS = 1 << 22
 
 
 def selected_slots(
-    indices: torch.Tensor, doc_ids: torch.Tensor, seq_start: int
+                   indices: torch.Tensor, doc_ids: torch.Tensor, seq_start: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(slots, valid)``, both ``[batch, local, W]``: the keys each local query reads.
 
@@ -90,15 +99,9 @@ def _chunk(q, kvh, slots, valid, scale, dk, r0, r1):
 
 
 @torch.library.custom_op("fcp::index_attention_fwd", mutates_args=())
-def index_attention_fwd(
-    q: torch.Tensor,
-    kvh: torch.Tensor,
-    slots: torch.Tensor,
-    valid: torch.Tensor,
-    scale: float,
-    dk: int,
-    chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def index_attention_fwd(q: torch.Tensor, kvh: torch.Tensor, slots: torch.Tensor,
+                        valid: torch.Tensor, scale: float, dk: int,
+                        chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [b, L, H, Dv], lse [b, L, H])`` in the compute dtype; empty rows: 0 and 0.
 
     ``kvh``: ``[b, kv_heads, keys, D + Dv]``, keys then values, head-major. ``chunk`` queries at
@@ -132,18 +135,10 @@ def _(q, kvh, slots, valid, scale, dk, chunk):
 
 
 @torch.library.custom_op("fcp::index_attention_bwd", mutates_args=())
-def index_attention_bwd(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    kvh: torch.Tensor,
-    slots: torch.Tensor,
-    valid: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    dk: int,
-    chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def index_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, kvh: torch.Tensor,
+                        slots: torch.Tensor, valid: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, scale: float, dk: int,
+                        chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dq, dkvh)`` in the dtypes of ``q`` and ``kvh``."""
     b, local, h, _ = q.shape
     hkv, g = kvh.shape[1], h // kvh.shape[1]
@@ -190,15 +185,8 @@ def _backward(ctx, grad_out, grad_lse):
 index_attention_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def gather_attention(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    dk: int,
-    slots: torch.Tensor,
-    valid: torch.Tensor,
-    scale: float,
-    chunk: int | None = None,
-) -> torch.Tensor:
+def gather_attention(q: torch.Tensor, kv: torch.Tensor, dk: int, slots: torch.Tensor,
+                     valid: torch.Tensor, scale: float, chunk: int | None = None) -> torch.Tensor:
     """Softmax attention of ``q [b, L, H, D]`` over the keys ``slots`` of ``kv [b, S, Hkv, D +
     Dv]`` (keys ``[..., :dk]``, values ``[..., dk:]``) where ``valid``: ``[b, L, H, Dv]`` in
     ``q``'s dtype, exact zeros (and no gradient) for a query without a valid slot. ``chunk``
@@ -213,3 +201,24 @@ def gather_attention(
     kvh = kv.transpose(1, 2).contiguous()
     out, _ = index_attention_fwd(q, kvh, slots, valid, float(scale), dk, max(1, int(chunk)))
     return out.to(q.dtype)
+
+
+def index_attention_gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           indices: torch.Tensor, context: PackedContext, scale: float, kv: str,
+                           query_chunk: int | None) -> torch.Tensor:
+    """The ``"gather"`` backend of :func:`fcp.ops.index_attention.index_attention` (arguments
+    checked there): the K/V all-gather (``kv="local"``) or the global K/V prefix, the selected
+    slots, :func:`gather_attention`, and the backward anchors on what came from other ranks."""
+    end, dk = context.seq_end, k.shape[-1]
+    common = torch.promote_types(k.dtype, v.dtype)
+    if kv == "local":
+        gathered = all_gather_sequence(torch.cat([k.to(common), v.to(common)], -1), context)
+        received = [gathered]
+        kv_all = gathered[:, :end]  # keys after this rank's queries are never selected
+    else:
+        received = [k, v]
+        kv_all = torch.cat([k[:, :end].to(common), v[:, :end].to(common)], -1)
+    slots, valid = selected_slots(indices, context.doc_ids, context.seq_start)
+    out = gather_attention(q, kv_all, dk, slots, valid, scale, query_chunk)
+    # the backward reduce-scatter of the K/V gather runs on every rank, whatever the loss
+    return with_anchors(out, context, *received)

@@ -1,4 +1,4 @@
-"""Index attention, the definition, and the argument rules.
+"""Index attention, the definition (tests only).
 
 Query ``t`` (global position, head ``h``) attends to the *set* of selected tokens
 
@@ -23,41 +23,7 @@ import torch
 
 from fcp.layout import PAD_DOC_ID
 
-__all__ = ["check_index_attention_inputs", "index_attention_reference", "selected_set"]
-
-
-def check_index_attention_inputs(name, q, k, v, indices, batch, local, key_len) -> None:
-    """Shapes and dtypes of :func:`fcp.ops.index_attention.index_attention`'s tensors."""
-    for t, what in ((q, "q"), (k, "k"), (v, "v")):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name}: {what} must be [batch, seq, heads, dim], got {shape}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name}: {what} must be floating point, got {t.dtype}")
-    if not isinstance(indices, torch.Tensor) or indices.dim() != 3:
-        shape = tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices)
-        raise ValueError(f"{name}: indices must be [batch, local_seq, width], got {shape}")
-    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
-        raise ValueError(f"{name}: indices must be an integer tensor, got {indices.dtype}")
-    b, n, h, d = q.shape
-    if (b, n) != (batch, local):
-        raise ValueError(
-            f"{name}: q has [batch, local_seq] = {[b, n]} but the context expects {[batch, local]}"
-        )
-    if tuple(indices.shape[:2]) != (b, n) or indices.shape[2] < 1:
-        raise ValueError(
-            f"{name}: indices {tuple(indices.shape)} must be [{b}, {n}, width >= 1] like q"
-        )
-    if k.shape[0] != b or k.shape[1] != key_len or v.shape[:3] != k.shape[:3]:
-        raise ValueError(
-            f"{name}: k {tuple(k.shape)} and v {tuple(v.shape)} must be [{b}, {key_len}, "
-            f"kv_heads, D | Dv] with equal kv_heads"
-        )
-    if k.shape[3] != d:
-        raise ValueError(f"{name}: k head dim {k.shape[3]} != q head dim {d}")
-    hkv = k.shape[2]
-    if hkv == 0 or h % hkv:
-        raise ValueError(f"{name}: heads={h} must be a multiple of kv_heads={hkv} (GQA)")
+__all__ = ["index_attention_reference", "selected_set"]
 
 
 def selected_set(indices_row: list[int], doc: list[int], t: int) -> list[int]:

@@ -5,7 +5,7 @@ GDN is KDA with one gate per head instead of one per key dimension: :func:`kda` 
 (``g [B, L, HV]`` or ``[B, L, HV, K]``); the scalar gate is never broadcast to ``[.., K]`` on
 the default backend.
 
-* :mod:`.reference` - the definition (per-token recurrence) and the argument rules;
+* :mod:`.reference` - the definition (per-token recurrence; tests only);
 * :mod:`.chunked` - the exact static-shape PyTorch path (``backend="chunked"``, the default);
 * :mod:`.fla` - FLA's Triton kernels as custom ops (``backend="fla"`` / ``"fla_varlen"``, CUDA).
 
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from fcp.context import PackedContext
-from fcp.ops.common import choose_backend, default_scale, finite_or_zero, zero_nonfinite_grad
+from fcp.checks import check_power_of_two, check_tensor
+from fcp.context import PackedContext, check_context
 from fcp.ops.kda.chunked import kda_chunked
-from fcp.ops.kda.reference import check_kda_inputs, kda_reference
+from fcp.ops.kit.common import choose_backend, default_scale, finite_or_zero, zero_nonfinite_grad
 
-__all__ = ["BACKENDS", "kda", "kda_reference"]
+__all__ = ["BACKENDS", "check_kda_inputs", "kda"]
 
 #: ``"chunked"``: exact PyTorch, every device. ``"fla"``: FLA's dense kernel with gate resets
 #: (CUDA, compile and CUDA-graph safe, not bitwise document-independent). ``"fla_varlen"``:
@@ -29,18 +29,37 @@ __all__ = ["BACKENDS", "kda", "kda_reference"]
 BACKENDS = ("chunked", "fla", "fla_varlen")
 
 
-def kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    context: PackedContext,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    *,
-    backend: str = "auto",
-) -> torch.Tensor:
+def check_kda_inputs(q, k, v, g, beta, local_len: int | None, batch: int | None) -> None:
+    """Types and shapes of :func:`kda`'s tensors (the :mod:`fcp.checks` rule, naming the tensor)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_tensor(t, name, fn="kda", kind="float")
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(
+            f"kda: q and k must be [batch, seq, heads, K] with equal shapes, got "
+            f"{tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    b, t, h, dk = q.shape
+    if v.dim() != 4 or v.shape[:2] != (b, t):
+        raise ValueError(f"kda: v must be [batch={b}, seq={t}, value_heads, V], got {tuple(v.shape)}")
+    hv = v.shape[2]
+    if h == 0 or hv % h:
+        raise ValueError(f"kda: value_heads={hv} must be a multiple of heads={h} (GVA)")
+    if g.shape not in ((b, t, hv), (b, t, hv, dk)):
+        raise ValueError(
+            f"kda: g must be [{b}, {t}, {hv}] (one gate per head, GDN) or [{b}, {t}, {hv}, {dk}] "
+            f"(per key dimension, KDA), got {tuple(g.shape)}"
+        )
+    if beta.shape != (b, t, hv):
+        raise ValueError(f"kda: beta must be [{b}, {t}, {hv}], got {tuple(beta.shape)}")
+    if local_len is not None and t != local_len:
+        raise ValueError(f"kda: seq={t} != context.local_seq_len={local_len}")
+    if batch is not None and b != batch:
+        raise ValueError(f"kda: batch={b} != context batch {batch}")
+
+
+def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        context: PackedContext, scale: float | None = None, chunk_size: int = 64, *,
+        backend: str = "auto") -> torch.Tensor:
     """Kimi Delta Attention (or Gated DeltaNet) on this rank's shard of a packed batch.
 
     Args:
@@ -70,7 +89,7 @@ def kda(
         ``[batch, local_seq, value_heads, V]`` in ``v``'s dtype. State and accumulation are fp32
         (fp64 for fp64 inputs on ``"chunked"``).
 
-    Every backend keeps non-finite values inside their document (:mod:`fcp.ops.common`): a NaN
+    Every backend keeps non-finite values inside their document (:mod:`fcp.ops.kit.common`): a NaN
     or inf in one document's inputs or output gradient leaves every other document's outputs
     and input gradients unchanged. The default backend is exact to fp32 rounding, bitwise
     document-independent, deterministic, sync-free and recompile-free across packings. Under CP,
@@ -88,16 +107,9 @@ def kda(
         >>> o.flatten().tolist()
         [1.0, 1.5, 1.75, 2.0, 3.0, 4.0]
     """
-    if not isinstance(context, PackedContext):
-        raise TypeError(f"context must be a PackedContext, got {type(context).__name__}")
+    check_context(context, fn="kda")
     check_kda_inputs(q, k, v, g, beta, context.local_seq_len, context.batch_size)
-    if (
-        isinstance(chunk_size, bool)
-        or not isinstance(chunk_size, int)
-        or chunk_size < 1
-        or chunk_size & (chunk_size - 1)
-    ):
-        raise ValueError(f"chunk_size must be a power of two, got {chunk_size!r}")
+    chunk_size = check_power_of_two(chunk_size, "chunk_size", fn="kda")
     backend = choose_backend("kda", backend, BACKENDS, "chunked")
     scale = default_scale(q.shape[-1], scale)
     q, k, v, g, beta = (finite_or_zero(t) for t in (q, k, v, g, beta))

@@ -28,12 +28,14 @@ How :func:`kda_chunked` stays exact and static:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from fcp.comm import state_chain
 from fcp.context import PackedContext
 from fcp.layout import document_starts
-from fcp.ops.common import compute_dtype, default_scale
+from fcp.ops.kit.common import compute_dtype, default_scale
 from fcp.scan import chunk_scan
 
 __all__ = ["kda_chunked"]
@@ -111,6 +113,39 @@ def _merge_inverse(d: torch.Tensor, l21: torch.Tensor) -> torch.Tensor:
     return _merge(d, -(d22 @ (l21 @ d11)))
 
 
+class _Level(NamedTuple):
+    """One level ``s`` of a chunk's binary block hierarchy (see :func:`_intra_chunk`): ``nb``
+    pairs of blocks of ``s`` tokens; whether each token is in the document of the pair's
+    boundary token ``r`` (``left_in``, ``right_in``: ``[B, 1, N, nb, s, 1]``); the right
+    blocks' ``fwd`` and the left blocks' ``rev`` sums; and the sums for blocks of ``2s``."""
+
+    nb: int
+    left_in: torch.Tensor
+    right_in: torch.Tensor
+    f_r: torch.Tensor
+    r_l: torch.Tensor
+    fwd: torch.Tensor
+    rev: torch.Tensor
+
+
+def _level(seg, g, fwd, rev, s: int) -> _Level:
+    """Level ``s`` from the block-local sums ``fwd``/``rev`` of blocks of ``s`` tokens."""
+    nb = g.shape[-2] // (2 * s)
+    seg_l, seg_r = seg.reshape(*seg.shape[:-1], nb, 2, s).unbind(-2)  # [B, 1, N, nb, s]
+    ref = seg_l[..., -1:]  # document of the boundary token r
+    left_in, right_in = (seg_l == ref)[..., None], (seg_r == ref)[..., None]
+    f_l, f_r = _halves(fwd, nb, s)
+    r_l, r_r = _halves(rev, nb, s)
+    g_r = _halves(g, nb, s)[1]
+    # block-local sums for blocks of 2s: extend across the boundary within the document
+    # (sums of same-sign terms; `where`, not a multiply, keeps other documents out exactly)
+    f_next = f_r + torch.where(right_in, f_l[..., -1:, :], 0.0)
+    head_in = (seg_l == seg_r[..., :1])[..., None]
+    r_next = r_l + torch.where(head_in, g_r[..., :1, :] + r_r[..., :1, :], 0.0)
+    return _Level(nb, left_in, right_in, f_r, r_l, torch.cat([f_l, f_next], -2).reshape(g.shape),
+                  torch.cat([r_next, r_r], -2).reshape(g.shape))  # fmt: skip
+
+
 def _intra_chunk(q, k, g, beta, seg):
     """In-chunk pairwise matrices and within-document decay sums, by a binary block hierarchy.
 
@@ -139,27 +174,15 @@ def _intra_chunk(q, k, g, beta, seg):
     t_inv = torch.ones_like(aqk)
     s = 1
     while s < c:
-        nb = c // (2 * s)
-        seg_l, seg_r = seg.reshape(*seg.shape[:-1], nb, 2, s).unbind(-2)  # [B, 1, N, nb, s]
-        ref = seg_l[..., -1:]  # document of the boundary token r
-        left_in, right_in = (seg_l == ref)[..., None], (seg_r == ref)[..., None]
-        f_l, f_r = _halves(fwd, nb, s)
-        r_l, r_r = _halves(rev, nb, s)
-        q_r = _halves(q, nb, s)[1]
-        k_l, k_r = _halves(k, nb, s)
-        g_r = _halves(g, nb, s)[1]
-        beta_r = _halves(beta, nb, s)[1]
-        k_from = (k_l * _masked_exp(left_in, r_l)).transpose(-1, -2)  # [.., nb, K, s]
-        to_t = _masked_exp(right_in, f_r)  # [.., nb, s, K]
+        lv = _level(seg, g, fwd, rev, s)
+        q_r = _halves(q, lv.nb, s)[1]
+        k_l, k_r = _halves(k, lv.nb, s)
+        beta_r = _halves(beta, lv.nb, s)[1]
+        k_from = (k_l * _masked_exp(lv.left_in, lv.r_l)).transpose(-1, -2)  # [.., nb, K, s]
+        to_t = _masked_exp(lv.right_in, lv.f_r)  # [.., nb, s, K]
         aqk = _merge(aqk, (q_r * to_t) @ k_from)
         t_inv = _merge_inverse(t_inv, ((k_r * to_t) @ k_from) * beta_r)
-        # block-local sums for blocks of 2s: extend across the boundary within the document
-        # (sums of same-sign terms; `where`, not a multiply, keeps other documents out exactly)
-        f_r = f_r + torch.where(right_in, f_l[..., -1:, :], 0.0)
-        head_in = (seg_l == seg_r[..., :1])[..., None]
-        r_l = r_l + torch.where(head_in, g_r[..., :1, :] + r_r[..., :1, :], 0.0)
-        fwd = torch.cat([f_l, f_r], -2).reshape(g.shape)
-        rev = torch.cat([r_l, r_r], -2).reshape(g.shape)
+        fwd, rev = lv.fwd, lv.rev
         s *= 2
     return aqk[..., 0, :, :], t_inv[..., 0, :, :], fwd, rev
 
@@ -191,20 +214,10 @@ def _intra_chunk_scalar(q, k, g, beta, seg):
     same = torch.ones_like(seg, dtype=torch.bool)[..., None, None]  # [B, 1, N, C, 1, 1]
     s = 1
     while s < c:
-        nb = c // (2 * s)
-        seg_l, seg_r = seg.reshape(*seg.shape[:-1], nb, 2, s).unbind(-2)  # [B, 1, N, nb, s]
-        ref = seg_l[..., -1:]  # document of the boundary token r
-        left_in, right_in = (seg_l == ref)[..., None], (seg_r == ref)[..., None]
-        f_l, f_r = _halves(fwd, nb, s)
-        r_l, r_r = _halves(rev, nb, s)
-        g_r = _halves(g, nb, s)[1]
-        expo = _merge(expo, f_r + r_l.transpose(-1, -2))  # D(r, t] + D(i, r]
-        same = _merge(same, right_in & left_in.transpose(-1, -2))
-        f_r = f_r + torch.where(right_in, f_l[..., -1:, :], 0.0)
-        head_in = (seg_l == seg_r[..., :1])[..., None]
-        r_l = r_l + torch.where(head_in, g_r[..., :1, :] + r_r[..., :1, :], 0.0)
-        fwd = torch.cat([f_l, f_r], -2).reshape(g.shape)
-        rev = torch.cat([r_l, r_r], -2).reshape(g.shape)
+        lv = _level(seg, g, fwd, rev, s)
+        expo = _merge(expo, lv.f_r + lv.r_l.transpose(-1, -2))  # D(r, t] + D(i, r]
+        same = _merge(same, lv.right_in & lv.left_in.transpose(-1, -2))
+        fwd, rev = lv.fwd, lv.rev
         s *= 2
     same = same[..., 0, :, :]  # [B, 1, N, C, C]: i <= t in t's document
     decay = _masked_exp(same, expo[..., 0, :, :])  # [B, H, N, C, C]
@@ -252,16 +265,9 @@ def _chunk_forms(q, k, v, g, beta, seg, prev, scalar: bool):
     return aqk, w, u0, qg, kd, dec
 
 
-def kda_chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    context: PackedContext,
-    scale: float | None = None,
-    chunk_size: int = 64,
-) -> torch.Tensor:
+def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, context: PackedContext, scale: float | None = None,
+                chunk_size: int = 64) -> torch.Tensor:
     """The ``"chunked"`` backend of :func:`fcp.ops.kda.kda` (same arguments; inputs checked
     there). ``chunk_size`` is a power of two; the shard is padded internally to a multiple of it.
 

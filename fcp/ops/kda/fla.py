@@ -57,7 +57,7 @@ state (an interior reset zeroes both, exactly as above).
 
 **FLA-varlen mode** (:func:`kda_fla_varlen`, ``backend="fla_varlen"``): FLA's own
 ``cu_seqlens`` / ``cp_context`` path (``fcp::fla_kda_varlen_*``), one
-flattened row per call, with the host-side :func:`~fcp.ops.fla_support.build_fla_cp_context`
+flattened row per call, with the host-side :func:`~fcp.ops.kit.fla.build_fla_cp_context`
 (memoised per row). Exact per-document resets; needs host metadata (it synchronises once per batch
 and ints specialise a compiled graph), so it is the parity/reference mode, not the CUDA-graph one.
 
@@ -75,17 +75,9 @@ from torch import Tensor
 from fcp.comm import state_chain
 from fcp.context import PackedContext
 from fcp.layout import document_starts
-from fcp.ops.common import default_scale
-from fcp.ops.fla_support import (
-    build_fla_cp_context,
-    contiguous_or_none,
-    device_guard,
-    empty,
-    grad_like,
-    group_name,
-    make_fla_cp_context,
-    state_dtype,
-)
+from fcp.ops.kit.common import default_scale
+from fcp.ops.kit.fla import build_fla_cp_context, contiguous_or_none, device_guard, empty
+from fcp.ops.kit.fla import grad_like, group_name, make_fla_cp_context, state_dtype
 
 __all__ = [
     "RESET_LOG_DECAY",
@@ -121,16 +113,8 @@ def _kda_fwd_shapes(q, k, v, g, chunk_size):
 
 
 @torch.library.custom_op("fcp::fla_kda_fwd", mutates_args=(), device_types="cuda")
-def fla_kda_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    h0: Optional[Tensor],
-    scale: float,
-    chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def fla_kda_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Optional[Tensor],
+                scale: float, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Dense KDA forward: ``(o, final_state, g_cumsum, Aqk, Akk)``.
 
     ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]`` (natural-log decay, applied
@@ -140,15 +124,9 @@ def fla_kda_fwd(
 
     with device_guard(q):
         o, ht, gc, aqk, akk, *_ = chunk_kda_fwd(
-            q=q.contiguous(),
-            k=k.contiguous(),
-            v=v.contiguous(),
-            g=g.contiguous(),
-            beta=beta.contiguous(),
-            scale=scale,
-            initial_state=contiguous_or_none(h0),
-            output_final_state=True,
-            chunk_size=chunk_size,
+            q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(),
+            beta=beta.contiguous(), scale=scale, initial_state=contiguous_or_none(h0),
+            output_final_state=True, chunk_size=chunk_size,
         )
     return o.to(q.dtype), ht, gc, aqk, akk
 
@@ -159,38 +137,18 @@ def _(q, k, v, g, beta, h0, scale, chunk_size):
 
 
 @torch.library.custom_op("fcp::fla_kda_bwd", mutates_args=(), device_types="cuda")
-def fla_kda_bwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    h0: Optional[Tensor],
-    g_cumsum: Tensor,
-    aqk: Tensor,
-    akk: Tensor,
-    do: Tensor,
-    dht: Optional[Tensor],
-    scale: float,
-    chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def fla_kda_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Optional[Tensor],
+                g_cumsum: Tensor, aqk: Tensor, akk: Tensor, do: Tensor, dht: Optional[Tensor],
+                scale: float,
+                chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Dense KDA backward: ``(dq, dk, dv, dg, dbeta, dh0)`` (``dh0`` is empty without ``h0``)."""
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd
 
     with device_guard(q):
         dq, dk, dv, db, dg, dh0, _, _ = chunk_kda_bwd(
-            q=q.contiguous(),
-            k=k.contiguous(),
-            v=v.contiguous(),
-            beta=beta.contiguous(),
-            Aqk=aqk,
-            Akk=akk,
-            scale=scale,
-            initial_state=contiguous_or_none(h0),
-            do=do.contiguous(),
-            dht=contiguous_or_none(dht),
-            g=g_cumsum,
-            chunk_size=chunk_size,
+            q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), beta=beta.contiguous(), Aqk=aqk,
+            Akk=akk, scale=scale, initial_state=contiguous_or_none(h0), do=do.contiguous(),
+            dht=contiguous_or_none(dht), g=g_cumsum, chunk_size=chunk_size,
         )
     dh0 = dh0 if h0 is not None else empty(q.device, state_dtype(q.dtype))
     return (
@@ -232,52 +190,38 @@ fla_kda_fwd.register_autograd(_kda_backward, setup_context=_kda_setup)
 # =============================================================================================
 # varlen KDA (FLA's cu_seqlens / cp_context path): fcp::fla_kda_varlen_fwd / _bwd
 # =============================================================================================
+def _varlen_plan(cu_seqlens, cu_seqlens_cpu, chunk_size, group_name, pre, post, first, last):
+    """FLA's ``FLACPContext`` (``None`` without CP) and chunk indices of one varlen row, from the
+    scalar fields a custom-op schema can carry; inside the op's kernel, on its device."""
+    from fla.ops.utils import prepare_chunk_indices
+
+    cp = make_fla_cp_context(cu_seqlens, cu_seqlens_cpu, group_name, pre, post, first, last) \
+        if group_name else None  # fmt: skip
+    return cp, prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
 @torch.library.custom_op("fcp::fla_kda_varlen_fwd", mutates_args=(), device_types="cuda")
-def fla_kda_varlen_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    cu_seqlens: Tensor,
-    cu_seqlens_cpu: Tensor,
-    scale: float,
-    chunk_size: int,
-    group_name: str,
-    pre_num_ranks: int,
-    post_num_ranks: int,
-    is_first_rank: bool,
-    is_last_rank: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def fla_kda_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                       cu_seqlens: Tensor, cu_seqlens_cpu: Tensor, scale: float, chunk_size: int,
+                       group_name: str, pre_num_ranks: int, post_num_ranks: int,
+                       is_first_rank: bool,
+                       is_last_rank: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """FLA varlen KDA forward on one row ``[1, T, ...]``: ``(o, g_cumsum, Aqk, Akk, h0)``.
 
     ``group_name`` non-empty: FLA's CP path with the given ``FLACPContext`` fields; ``h0`` is then
     FLA's compressed incoming state ``[1, HV, K, V]`` (kept for the backward), else empty.
     """
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
-    from fla.ops.utils import prepare_chunk_indices
 
-    cp = (
-        make_fla_cp_context(cu_seqlens, cu_seqlens_cpu, group_name, pre_num_ranks,
-                        post_num_ranks, is_first_rank, is_last_rank)
-        if group_name else None
-    )  # fmt: skip
     with device_guard(q):
-        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+        cp, chunk_indices = _varlen_plan(cu_seqlens, cu_seqlens_cpu, chunk_size, group_name,
+                                         pre_num_ranks, post_num_ranks, is_first_rank,
+                                         is_last_rank)  # fmt: skip
         o, _, gc, aqk, akk, *_, h0 = chunk_kda_fwd(
-            q=q.contiguous(),
-            k=k.contiguous(),
-            v=v.contiguous(),
-            g=g.contiguous(),
-            beta=beta.contiguous(),
-            scale=scale,
-            initial_state=None,
-            output_final_state=False,
-            cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu,
-            chunk_indices=chunk_indices,
-            chunk_size=chunk_size,
-            cp_context=cp,
+            q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(),
+            beta=beta.contiguous(), scale=scale, initial_state=None, output_final_state=False,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+            chunk_size=chunk_size, cp_context=cp,
         )
     if h0 is None:
         h0 = empty(q.device, state_dtype(q.dtype))
@@ -295,54 +239,23 @@ def _(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, scale, chunk_size, group_nam
 
 
 @torch.library.custom_op("fcp::fla_kda_varlen_bwd", mutates_args=(), device_types="cuda")
-def fla_kda_varlen_bwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    g_cumsum: Tensor,
-    aqk: Tensor,
-    akk: Tensor,
-    h0: Tensor,
-    do: Tensor,
-    cu_seqlens: Tensor,
-    cu_seqlens_cpu: Tensor,
-    scale: float,
-    chunk_size: int,
-    group_name: str,
-    pre_num_ranks: int,
-    post_num_ranks: int,
-    is_first_rank: bool,
-    is_last_rank: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def fla_kda_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, g_cumsum: Tensor,
+                       aqk: Tensor, akk: Tensor, h0: Tensor, do: Tensor, cu_seqlens: Tensor,
+                       cu_seqlens_cpu: Tensor, scale: float, chunk_size: int, group_name: str,
+                       pre_num_ranks: int, post_num_ranks: int, is_first_rank: bool,
+                       is_last_rank: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """FLA varlen KDA backward: ``(dq, dk, dv, dg, dbeta)``."""
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd
-    from fla.ops.utils import prepare_chunk_indices
 
-    cp = (
-        make_fla_cp_context(cu_seqlens, cu_seqlens_cpu, group_name, pre_num_ranks,
-                        post_num_ranks, is_first_rank, is_last_rank)
-        if group_name else None
-    )  # fmt: skip
     with device_guard(q):
-        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+        cp, chunk_indices = _varlen_plan(cu_seqlens, cu_seqlens_cpu, chunk_size, group_name,
+                                         pre_num_ranks, post_num_ranks, is_first_rank,
+                                         is_last_rank)  # fmt: skip
         dq, dk, dv, db, dg, *_ = chunk_kda_bwd(
-            q=q.contiguous(),
-            k=k.contiguous(),
-            v=v.contiguous(),
-            beta=beta.contiguous(),
-            Aqk=aqk,
-            Akk=akk,
-            scale=scale,
-            initial_state=h0 if h0.numel() else None,
-            do=do.contiguous(),
-            dht=None,
-            g=g_cumsum,
-            cu_seqlens=cu_seqlens,
-            chunk_indices=chunk_indices,
-            chunk_size=chunk_size,
-            cp_context=cp,
+            q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), beta=beta.contiguous(), Aqk=aqk,
+            Akk=akk, scale=scale, initial_state=h0 if h0.numel() else None, do=do.contiguous(),
+            dht=None, g=g_cumsum, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+            chunk_size=chunk_size, cp_context=cp,
         )
     return grad_like(dq, q), grad_like(dk, k), grad_like(dv, v), grad_like(dg, g), grad_like(db, beta)
 
@@ -393,16 +306,9 @@ def reset_gate(g: torch.Tensor, context: PackedContext) -> torch.Tensor:
     return torch.where(interior[:, :, None, None], reset, g)
 
 
-def kda_fla_static(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    context: PackedContext,
-    scale: float | None = None,
-    chunk_size: int = 64,
-) -> torch.Tensor:
+def kda_fla_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, context: PackedContext, scale: float | None = None,
+                   chunk_size: int = 64) -> torch.Tensor:
     """The ``"fla"`` backend: FLA's dense kernel with gate resets (static mode, module docstring).
 
     Same arguments as :func:`fcp.ops.kda.kda` (checked there).
@@ -430,21 +336,14 @@ def kda_fla_static(
     return out.to(v.dtype)
 
 
-def kda_fla_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    context: PackedContext,
-    scale: float | None = None,
-    chunk_size: int = 64,
-) -> torch.Tensor:
+def kda_fla_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, context: PackedContext, scale: float | None = None,
+                   chunk_size: int = 64) -> torch.Tensor:
     """The ``"fla_varlen"`` backend: FLA's variable-length path (``cu_seqlens``, and FLA's own
     ``cp_context`` under CP), one op call per batch row.
 
     Guarantees: exact per-document resets (FLA's kernel rounding); host-side metadata per batch
-    (:func:`~fcp.ops.fla_support.build_fla_cp_context`, memoised in the context): it synchronises
+    (:func:`~fcp.ops.kit.fla.build_fla_cp_context`, memoised in the context): it synchronises
     once per batch and its integers specialise a compiled graph, so it is neither CUDA-graph safe
     nor recompile-free across packings. The parity / reference mode of the FLA backends.
     """

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention, the definition: the per-token recurrence, and the argument rules.
+"""Kimi Delta Attention, the definition: the per-token recurrence (tests only).
 
 Per value head, with a ``[K, V]`` state ``S`` that restarts at zero at every document start::
 
@@ -21,52 +21,15 @@ import torch
 
 from fcp.context import PackedContext
 from fcp.layout import document_starts
-from fcp.ops.common import compute_dtype, default_scale
+from fcp.ops.kda import check_kda_inputs
+from fcp.ops.kit.common import compute_dtype, default_scale
 
-__all__ = ["kda_reference", "kda_recurrence", "check_kda_inputs"]
-
-
-def check_kda_inputs(q, k, v, g, beta, local_len: int | None, batch: int | None) -> None:
-    """Shapes of :func:`fcp.ops.kda.kda`'s tensors (``ValueError`` naming the tensor)."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be floating point, got {t.dtype}")
-    if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(
-            f"q and k must be [batch, seq, heads, K] with equal shapes, got {tuple(q.shape)} "
-            f"and {tuple(k.shape)}"
-        )
-    b, t, h, dk = q.shape
-    if v.dim() != 4 or v.shape[:2] != (b, t):
-        raise ValueError(f"v must be [batch={b}, seq={t}, value_heads, V], got {tuple(v.shape)}")
-    hv = v.shape[2]
-    if h == 0 or hv % h:
-        raise ValueError(f"value_heads={hv} must be a multiple of heads={h} (GVA)")
-    if g.shape not in ((b, t, hv), (b, t, hv, dk)):
-        raise ValueError(
-            f"g must be [{b}, {t}, {hv}] (one gate per head, GDN) or [{b}, {t}, {hv}, {dk}] (per "
-            f"key dimension, KDA), got {tuple(g.shape)}"
-        )
-    if beta.shape != (b, t, hv):
-        raise ValueError(f"beta must be [{b}, {t}, {hv}], got {tuple(beta.shape)}")
-    if local_len is not None and t != local_len:
-        raise ValueError(f"seq={t} != context.local_seq_len={local_len}")
-    if batch is not None and b != batch:
-        raise ValueError(f"batch={b} != context batch {batch}")
+__all__ = ["kda_reference", "kda_recurrence"]
 
 
-def kda_recurrence(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    starts: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, scale: float, starts: torch.Tensor | None = None,
+                   initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-token recurrence on ``[B, T, ...]`` tensors: ``(o, final_state)``.
 
     Args:
@@ -106,15 +69,9 @@ def kda_recurrence(
     return o, state
 
 
-def kda_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    context: PackedContext | torch.Tensor,
-    scale: float | None = None,
-) -> torch.Tensor:
+def kda_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, context: PackedContext | torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
     """Single-process KDA by the per-token recurrence, state reset at every document start.
 
     Same shapes and conventions as :func:`fcp.ops.kda.kda` (which see); ``context`` is a non-CP

@@ -1,6 +1,6 @@
 """GLM-5.3-Flash's DSA k-pool indexer over packed documents, exact under contiguous CP.
 
-* :mod:`.reference` - the definition (per document, per query, float64) and the argument rules;
+* :mod:`.reference` - the definition (per document, per query, float64; tests only);
 * :mod:`.pooled` - the exact static-shape path (``backend="pooled"``, every device).
 
 :func:`kpool_indexer` is the only dispatcher. Its output feeds
@@ -11,35 +11,41 @@ from __future__ import annotations
 
 import torch
 
-from fcp.context import PackedContext
-from fcp.ops.common import choose_backend, default_scale, finite_or_zero
+from fcp.checks import check_bool, check_tensor
+from fcp.context import PackedContext, check_context
+from fcp.ops.kit.common import choose_backend, default_scale, finite_or_zero
+from fcp.ops.kit.pools import check_selection
 from fcp.ops.kpool_indexer.pooled import kpool_indexer_pooled
-from fcp.ops.kpool_indexer.reference import (
-    check_kpool_inputs,
-    kpool_indexer_reference,
-    kpool_width,
-)
 
-__all__ = ["BACKENDS", "kpool_indexer", "kpool_indexer_reference", "kpool_width"]
+__all__ = ["BACKENDS", "check_kpool_inputs", "kpool_indexer", "kpool_width"]
 
 #: ``"pooled"``: pooled keys at pool ends, all-gathered, scored per query (exact, every device).
 BACKENDS = ("pooled",)
+_RUN = {"pooled": kpool_indexer_pooled}
 
 
-def kpool_indexer(
-    index_q: torch.Tensor,
-    index_k: torch.Tensor,
-    gate_logits: torch.Tensor,
-    ape: torch.Tensor,
-    head_weights: torch.Tensor,
-    context: PackedContext,
-    *,
-    topk: int,
-    kpool: int,
-    select_tail: bool = True,
-    scale: float | None = None,
-    backend: str = "auto",
-) -> torch.Tensor:
+def kpool_width(topk: int, kpool: int, select_tail: bool) -> int:
+    """Row width ``W``: ``topk + kpool - 1`` with the tail, else ``topk``."""
+    return topk + (kpool - 1 if select_tail else 0)
+
+
+def check_kpool_inputs(name, index_q, index_k, gate_logits, ape, head_weights, batch, local,
+                       topk, kpool) -> None:  # fmt: skip
+    """Types and shapes of :func:`kpool_indexer`'s arguments (the :mod:`fcp.checks` rule)."""
+    check_selection(name, index_q, batch, local, topk, kpool, budget_name="topk",
+                    pool_name="kpool")  # fmt: skip
+    hi, di = index_q.shape[2:]
+    for what, t, shape in (("index_k", index_k, (batch, local, di)),
+                           ("gate_logits", gate_logits, (batch, local, di)),
+                           ("ape", ape, (kpool, di)),
+                           ("head_weights", head_weights, (batch, local, hi))):  # fmt: skip
+        check_tensor(t, what, fn=name, kind="float", shape=shape)
+
+
+def kpool_indexer(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: torch.Tensor,
+                  ape: torch.Tensor, head_weights: torch.Tensor, context: PackedContext, *,
+                  topk: int, kpool: int, select_tail: bool = True, scale: float | None = None,
+                  backend: str = "auto") -> torch.Tensor:
     """Global token ids each query attends to, by GLM-5.3-Flash's k-pool DSA indexer.
 
     Args (the indexer's projections of this rank's tokens, as transformers'
@@ -82,14 +88,14 @@ def kpool_indexer(
                                                # (which pool wins depends on the scores)
     """
     name = "kpool_indexer"
-    if not isinstance(context, PackedContext):
-        raise TypeError(f"{name}: context must be a PackedContext, got {type(context).__name__}")
+    check_context(context, fn=name)
     check_kpool_inputs(name, index_q, index_k, gate_logits, ape, head_weights,
                        context.batch_size, context.local_seq_len, topk, kpool)  # fmt: skip
-    choose_backend(name, backend, BACKENDS, "pooled")
+    select_tail = check_bool(select_tail, "select_tail", fn=name)
+    backend = choose_backend(name, backend, BACKENDS, "pooled")
     scale = default_scale(index_q.shape[-1], scale)
     index_q, index_k, gate_logits, ape, head_weights = (
         finite_or_zero(t.detach()) for t in (index_q, index_k, gate_logits, ape, head_weights)
     )
-    return kpool_indexer_pooled(index_q, index_k, gate_logits, ape, head_weights, context,
-                                topk, kpool, bool(select_tail), scale)  # fmt: skip
+    return _RUN[backend](index_q, index_k, gate_logits, ape, head_weights, context, topk, kpool,
+                         select_tail, scale)  # fmt: skip

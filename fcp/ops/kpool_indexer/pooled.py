@@ -5,7 +5,7 @@ tokens of ``(index_k, gate_logits)`` behind the end (a ``kpool - 1`` token left 
 part of a pool that starts on an earlier rank), compacts them into ``ceil(local / kpool)``
 static slots and all-gathers the slots: ``[batch, cp_size * slots, Di]`` in ``index_k``'s dtype,
 about ``Di / kpool`` values per token. Nothing else crosses ranks: the slot table comes from the
-replicated doc-id map (:mod:`fcp.ops.doc_pools`). Each query then scores every slot (``O(local x
+replicated doc-id map (:mod:`fcp.ops.kit.pools`). Each query then scores every slot (``O(local x
 seq / kpool)`` fp32 scores, one matmul per index head), keeps the visible ones and takes the
 top ``topk // kpool`` with fcp's tie rule.
 
@@ -19,31 +19,19 @@ from __future__ import annotations
 import torch
 
 from fcp.context import PackedContext
-from fcp.ops.doc_pools import (
-    all_gather_slots,
-    by_score,
-    doc_lengths,
-    local_slots,
-    place_tail,
-    pool_slots,
-    pool_tokens,
+from fcp.ops.kit.pools import (
+    gather_pool_keys,
+    plan_pools,
     pool_windows,
-    tail_tokens,
-    top_pools,
-    visible_pools,
+    relu_head_scores,
+    select_pools,
 )
 
 __all__ = ["pooled_keys", "kpool_indexer_pooled"]
 
 
-def pooled_keys(
-    index_k: torch.Tensor,
-    gate_logits: torch.Tensor,
-    ape: torch.Tensor,
-    ends: torch.Tensor,
-    context: PackedContext,
-    kpool: int,
-) -> torch.Tensor:
+def pooled_keys(index_k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Tensor,
+                ends: torch.Tensor, context: PackedContext, kpool: int) -> torch.Tensor:
     """``[batch, C, Di]`` in ``index_k``'s dtype: the gated pool mean of every local pool end
     (zeros in empty slots)."""
     di = index_k.shape[-1]
@@ -60,36 +48,13 @@ def pooled_keys(
     return torch.where((ends >= 0)[..., None], pooled, torch.zeros((), dtype=pooled.dtype))
 
 
-def kpool_indexer_pooled(
-    index_q: torch.Tensor,
-    index_k: torch.Tensor,
-    gate_logits: torch.Tensor,
-    ape: torch.Tensor,
-    head_weights: torch.Tensor,
-    context: PackedContext,
-    topk: int,
-    kpool: int,
-    select_tail: bool,
-    scale: float,
-) -> torch.Tensor:
+def kpool_indexer_pooled(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: torch.Tensor,
+                         ape: torch.Tensor, head_weights: torch.Tensor, context: PackedContext,
+                         topk: int, kpool: int, select_tail: bool, scale: float) -> torch.Tensor:
     """int64 ``[batch, local_seq, W]`` global token ids (see :mod:`.reference`)."""
-    slots = pool_slots(context.doc_ids, kpool, context.cp_size)  # [b, P], replicated
-    ends = local_slots(slots, context, kpool)
-    keys = all_gather_slots(pooled_keys(index_k, gate_logits, ape, ends, context, kpool), context)
-    keys_t = keys.float().transpose(1, 2)  # [b, Di, P]
-    q, w = index_q.float(), head_weights.float()
-    score = None
-    for h in range(q.shape[2]):  # one [local, P] matmul per head bounds the memory
-        term = w[:, :, h, None] * torch.relu(torch.matmul(q[:, :, h], keys_t) * scale)
-        score = term if score is None else score + term
-    slot, chosen, chosen_score = top_pools(score, visible_pools(slots, context), topk // kpool)
-    slot, chosen = by_score(slot, chosen, chosen_score)
-    pool_end = slots.gather(1, slot.flatten(1)).view_as(slot)
-    rows = pool_tokens(pool_end, chosen, kpool)
-    if select_tail and kpool > 1:
-        # transformers' layout: the tail right after min(K, complete pools of the document) pool
-        # slots (the columns in between hold -1)
-        n_doc = doc_lengths(context.doc_ids, context.seq_start, context.local_seq_len)
-        first = torch.clamp(n_doc // kpool, max=topk // kpool)[..., None] * kpool
-        rows = place_tail(rows, tail_tokens(context, kpool), first)
-    return rows
+    plan = plan_pools(context, kpool)
+    keys_t = gather_pool_keys(pooled_keys(index_k, gate_logits, ape, plan.ends, context, kpool),
+                              context)  # fmt: skip
+    score = relu_head_scores(index_q.float(), keys_t, head_weights.float(), scale)
+    tail = "after_document_pools" if select_tail else "none"
+    return select_pools(score, plan, context, kpool, topk // kpool, tail=tail)

@@ -1,4 +1,4 @@
-"""GLM-5.3-Flash's DSA k-pool indexer, the definition, per document, and the argument rules.
+"""GLM-5.3-Flash's DSA k-pool indexer, the definition, per document (tests only).
 
 For one document with tokens ``i = 0 .. n-1`` (document-local), ``kp = kpool``, heads
 ``h = 0 .. Hi-1`` (transformers' ``Glm5NextTextIndexer``, run on the document alone)::
@@ -32,49 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from fcp.layout import PAD_DOC_ID
-from fcp.ops.doc_pools import rank_pools_reference
+from fcp.ops.kit.loops import real_queries
+from fcp.ops.kit.pools import rank_pools_reference
 
-__all__ = ["check_kpool_inputs", "kpool_indexer_reference", "kpool_width"]
-
-
-def kpool_width(topk: int, kpool: int, select_tail: bool) -> int:
-    """Row width ``W``: ``topk + kpool - 1`` with the tail, else ``topk``."""
-    return topk + (kpool - 1 if select_tail else 0)
-
-
-def _positive_int(name: str, what: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: {what} must be a positive int, got {value!r}")
-    return value
-
-
-def check_kpool_inputs(
-    name, index_q, index_k, gate_logits, ape, head_weights, batch, local, topk, kpool
-) -> None:
-    """Shapes of :func:`fcp.ops.kpool_indexer.kpool_indexer`'s arguments (``ValueError``)."""
-    _positive_int(name, "kpool", kpool)
-    _positive_int(name, "topk", topk)
-    if topk % kpool:
-        raise ValueError(f"{name}: topk={topk} must be a multiple of kpool={kpool}")
-    tensors = (("index_q", index_q), ("index_k", index_k), ("gate_logits", gate_logits),
-               ("ape", ape), ("head_weights", head_weights))  # fmt: skip
-    for what, t in tensors:
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            kind = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name}: {what} must be a floating-point tensor, got {kind}")
-    if index_q.dim() != 4 or tuple(index_q.shape[:2]) != (batch, local):
-        raise ValueError(
-            f"{name}: index_q must be [batch, local_seq, index_heads, Di] = "
-            f"[{batch}, {local}, ., .], got {tuple(index_q.shape)}"
-        )
-    hi, di = index_q.shape[2:]
-    for what, t, shape in (("index_k", index_k, (batch, local, di)),
-                           ("gate_logits", gate_logits, (batch, local, di)),
-                           ("ape", ape, (kpool, di)),
-                           ("head_weights", head_weights, (batch, local, hi))):  # fmt: skip
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name}: {what} must have shape {list(shape)}, got {tuple(t.shape)}")
+__all__ = ["kpool_indexer_reference"]
 
 
 def kpool_indexer_reference(
@@ -85,7 +46,7 @@ def kpool_indexer_reference(
 
     ``indices``: int64 ``[batch, seq, W]`` global ids as the module docstring defines them.
     ``near_tie`` / ``exact_tie``: bool ``[batch, seq]`` from
-    :func:`~fcp.ops.doc_pools.rank_pools_reference` (a fp32 implementation may order a
+    :func:`~fcp.ops.kit.pools.rank_pools_reference` (a fp32 implementation may order a
     ``near_tie`` row differently; an ``exact_tie`` row is decided by the tie rule alone).
     """
     iq, ik, z, ap, w = (
@@ -98,30 +59,25 @@ def kpool_indexer_reference(
     out = torch.full((batch, seq, width), -1, dtype=torch.int64)
     near = torch.zeros(batch, seq, dtype=torch.bool)
     exact = torch.zeros(batch, seq, dtype=torch.bool)
-    for b in range(batch):
-        doc = doc_ids[b].tolist()
-        for t in range(seq):
-            if doc[t] == PAD_DOC_ID:
-                continue
-            start = doc.index(doc[t])
-            pos = t - start
-            scores, robust = [], []
-            for j in range((pos + 1) // kpool):  # pools that ended at or before t
-                toks = list(range(start + j * kpool, start + (j + 1) * kpool))
-                logits = z[b, toks] + ap  # [kp, Di]: a softmax over the pool, per channel
-                e = torch.exp(logits - logits.max(0).values)
-                prob = e / e.sum(0)
-                pooled = (prob * ik[b, toks]).sum(0)
-                args = scale * (iq[b, t] @ pooled)  # [Hi]
-                scores.append(float((w[b, t] * torch.relu(args)).sum()))
-                robust.append(bool(((args < -tol) | (args == 0)).all()))
-            chosen, near[b, t], exact[b, t] = rank_pools_reference(scores, robust, k_pools, tol)
-            row = [start + j * kpool + r for j in chosen for r in range(kpool)]
-            n_doc = doc.count(doc[t])  # the document's length (ids are contiguous runs)
-            slots = min(k_pools, n_doc // kpool) if select_tail else k_pools
-            row += [-1] * ((slots - len(chosen)) * kpool)
-            if select_tail:
-                n_tail = (pos + 1) % kpool
-                row += list(range(t - n_tail + 1, t + 1)) + [-1] * (kpool - 1 - n_tail)
-            out[b, t, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    for b, t, doc, start in real_queries(doc_ids):
+        pos = t - start
+        scores, robust = [], []
+        for j in range((pos + 1) // kpool):  # pools that ended at or before t
+            toks = list(range(start + j * kpool, start + (j + 1) * kpool))
+            logits = z[b, toks] + ap  # [kp, Di]: a softmax over the pool, per channel
+            e = torch.exp(logits - logits.max(0).values)
+            prob = e / e.sum(0)
+            pooled = (prob * ik[b, toks]).sum(0)
+            args = scale * (iq[b, t] @ pooled)  # [Hi]
+            scores.append(float((w[b, t] * torch.relu(args)).sum()))
+            robust.append(bool(((args < -tol) | (args == 0)).all()))
+        chosen, near[b, t], exact[b, t] = rank_pools_reference(scores, robust, k_pools, tol)
+        row = [start + j * kpool + r for j in chosen for r in range(kpool)]
+        n_doc = doc.count(doc[t])  # the document's length (ids are contiguous runs)
+        slots = min(k_pools, n_doc // kpool) if select_tail else k_pools
+        row += [-1] * ((slots - len(chosen)) * kpool)
+        if select_tail:
+            n_tail = (pos + 1) % kpool
+            row += list(range(t - n_tail + 1, t + 1)) + [-1] * (kpool - 1 - n_tail)
+        out[b, t, : len(row)] = torch.tensor(row, dtype=torch.int64)
     return out, near, exact

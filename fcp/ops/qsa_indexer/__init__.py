@@ -1,7 +1,8 @@
 """Qwen3.8-Flash-Next's QSA token selection over packed documents, exact under contiguous CP.
 
-* :mod:`.reference` - the definition (NeMo's ``qsa.py`` per document; float64 per-query loop),
-  the per-token pieces (zero-centred RMSNorm, rotate-half RoPE, RoPE tables) and argument rules;
+* :mod:`.reference` - the definition (NeMo's ``qsa.py`` per document; float64 per-query loop;
+  tests only); the per-token pieces (zero-centred RMSNorm, rotate-half RoPE, RoPE tables) are
+  :mod:`fcp.ops.kit.norms`;
 * :mod:`.pooled` - the exact static-shape path (``backend="pooled"``, every device).
 
 :func:`qsa_indexer` is the only dispatcher. Its output feeds
@@ -13,46 +14,47 @@ from __future__ import annotations
 
 import torch
 
-from fcp.context import PackedContext
-from fcp.ops.common import choose_backend, finite_or_zero
+from fcp.checks import check_float, check_tensor
+from fcp.context import PackedContext, check_context
+from fcp.ops.kit.common import choose_backend, finite_or_zero
+from fcp.ops.kit.pools import check_selection
 from fcp.ops.qsa_indexer.pooled import qsa_indexer_pooled
-from fcp.ops.qsa_indexer.reference import (
-    check_qsa_inputs,
-    qsa_indexer_reference,
-    qsa_width,
-    rope_tables,
-    rotate_half_rope,
-    zero_centered_rms_norm,
-)
 
-__all__ = [
-    "BACKENDS",
-    "qsa_indexer",
-    "qsa_indexer_reference",
-    "qsa_width",
-    "rope_tables",
-    "rotate_half_rope",
-    "zero_centered_rms_norm",
-]
+__all__ = ["BACKENDS", "check_qsa_inputs", "qsa_indexer", "qsa_width"]
 
 #: ``"pooled"``: compressed keys at block ends, all-gathered, scored per query (every device).
 BACKENDS = ("pooled",)
+_RUN = {"pooled": qsa_indexer_pooled}
 
 
-def qsa_indexer(
-    index_q: torch.Tensor,
-    index_k: torch.Tensor,
-    q_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    context: PackedContext,
-    *,
-    budget: int,
-    ratio: int,
-    eps: float = 1e-6,
-    backend: str = "auto",
-) -> torch.Tensor:
+def qsa_width(budget: int, ratio: int) -> int:
+    """Row width ``budget + ratio - 1``."""
+    return budget + ratio - 1
+
+
+def check_qsa_inputs(name, index_q, index_k, q_norm_weight, k_norm_weight, cos, sin,
+                     batch, local, budget, ratio) -> None:  # fmt: skip
+    """Types and shapes of :func:`qsa_indexer`'s arguments (the :mod:`fcp.checks` rule)."""
+    check_selection(name, index_q, batch, local, budget, ratio, budget_name="budget",
+                    pool_name="ratio")  # fmt: skip
+    di = index_q.shape[3]
+    for what, t in (("cos", cos), ("sin", sin)):
+        check_tensor(t, what, fn=name, kind="float", shape=(batch, local, None),
+                     layout="[batch, local_seq, rotary/2]")  # fmt: skip
+    if cos.shape != sin.shape:
+        raise ValueError(f"{name}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    if not 1 <= 2 * cos.shape[2] <= di:
+        raise ValueError(f"{name}: rotary dim 2 * {cos.shape[2]} must be in [2, Di={di}]")
+    for what, t, shape in (("index_k", index_k, (batch, local, di)),
+                           ("q_norm_weight", q_norm_weight, (di,)),
+                           ("k_norm_weight", k_norm_weight, (di,))):  # fmt: skip
+        check_tensor(t, what, fn=name, kind="float", shape=shape)
+
+
+def qsa_indexer(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weight: torch.Tensor,
+                k_norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                context: PackedContext, *, budget: int, ratio: int, eps: float = 1e-6,
+                backend: str = "auto") -> torch.Tensor:
     """Global token ids each query attends to, by Qwen3.8-Flash-Next's QSA indexer.
 
     Args (NeMo's ``Qwen3_8_FlashNextQSAIndexer`` names in brackets):
@@ -63,7 +65,7 @@ def qsa_indexer(
         q_norm_weight, k_norm_weight: ``[Di]`` (``q_layernorm.weight``, ``k_layernorm.weight``),
             zero-centred: the norm multiplies by ``1 + weight``.
         cos, sin: ``[batch, local_seq, R/2]``, RoPE tables at each token's **document-local**
-            position (NeMo's ``freqs_cis`` is ``cat(cos, sin)``); :func:`rope_tables` of
+            position (NeMo's ``freqs_cis`` is ``cat(cos, sin)``); :func:`~fcp.ops.kit.norms.rope_tables` of
             ``context.local_position_ids`` builds them. ``R <= Di``; dims past ``R`` pass
             through.
         context: the rank's :class:`~fcp.context.PackedContext`.
@@ -90,14 +92,14 @@ def qsa_indexer(
     compressed keys per rank. No host synchronisation, static shapes.
     """
     name = "qsa_indexer"
-    if not isinstance(context, PackedContext):
-        raise TypeError(f"{name}: context must be a PackedContext, got {type(context).__name__}")
+    check_context(context, fn=name)
     check_qsa_inputs(name, index_q, index_k, q_norm_weight, k_norm_weight, cos, sin,
                      context.batch_size, context.local_seq_len, budget, ratio)  # fmt: skip
-    choose_backend(name, backend, BACKENDS, "pooled")
+    eps = check_float(eps, "eps", fn=name, positive=True)
+    backend = choose_backend(name, backend, BACKENDS, "pooled")
     index_q, index_k, q_norm_weight, k_norm_weight, cos, sin = (
         finite_or_zero(t.detach())
         for t in (index_q, index_k, q_norm_weight, k_norm_weight, cos, sin)
     )
-    return qsa_indexer_pooled(index_q, index_k, q_norm_weight, k_norm_weight, cos, sin,
-                              context, budget, ratio, float(eps))  # fmt: skip
+    return _RUN[backend](index_q, index_k, q_norm_weight, k_norm_weight, cos, sin, context,
+                         budget, ratio, eps)  # fmt: skip

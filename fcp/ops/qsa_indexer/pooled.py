@@ -18,33 +18,21 @@ import math
 import torch
 
 from fcp.context import PackedContext
-from fcp.ops.doc_pools import (
-    all_gather_slots,
-    by_score,
-    local_slots,
-    place_tail,
-    pool_slots,
-    pool_tokens,
+from fcp.ops.kit.norms import rotate_half_rope, zero_centered_rms_norm
+from fcp.ops.kit.pools import (
+    gather_pool_keys,
+    plan_pools,
     pool_windows,
-    tail_tokens,
-    top_pools,
-    visible_pools,
+    relu_head_scores,
+    select_pools,
 )
-from fcp.ops.qsa_indexer.reference import rotate_half_rope, zero_centered_rms_norm
 
 __all__ = ["compressed_keys", "qsa_indexer_pooled"]
 
 
-def compressed_keys(
-    index_k: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    ends: torch.Tensor,
-    context: PackedContext,
-    ratio: int,
-    eps: float,
-) -> torch.Tensor:
+def compressed_keys(index_k: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, ends: torch.Tensor, context: PackedContext, ratio: int,
+                    eps: float) -> torch.Tensor:
     """``[batch, C, Di]`` in ``index_k``'s dtype: the compressed key of every local block end
     (zeros in empty slots)."""
     di, half = index_k.shape[-1], cos.shape[-1]
@@ -59,42 +47,19 @@ def compressed_keys(
     return torch.where((ends >= 0)[..., None], keys, torch.zeros((), dtype=keys.dtype))
 
 
-def qsa_indexer_pooled(
-    index_q: torch.Tensor,
-    index_k: torch.Tensor,
-    q_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    context: PackedContext,
-    budget: int,
-    ratio: int,
-    eps: float,
-) -> torch.Tensor:
+def qsa_indexer_pooled(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weight: torch.Tensor,
+                       k_norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       context: PackedContext, budget: int, ratio: int,
+                       eps: float) -> torch.Tensor:
     """int64 ``[batch, local_seq, budget + ratio - 1]`` global token ids (see :mod:`.reference`)."""
     k_blocks = budget // ratio
     q = rotate_half_rope(
         zero_centered_rms_norm(index_q, q_norm_weight, eps), cos[:, :, None], sin[:, :, None]
     )
-    slots = pool_slots(context.doc_ids, ratio, context.cp_size)  # [b, P], replicated
-    ends = local_slots(slots, context, ratio)
-    keys = compressed_keys(index_k, k_norm_weight, cos, sin, ends, context, ratio, eps)
-    keys_t = all_gather_slots(keys, context).float().transpose(1, 2)  # [b, Di, P]
-    qf = q.float()
-    score = None
-    for h in range(qf.shape[2]):  # one [local, P] matmul per head bounds the memory
-        term = torch.relu(torch.matmul(qf[:, :, h], keys_t))
-        score = term if score is None else score + term
-    score = score / math.sqrt(q.shape[-1])
-    slot, chosen, chosen_score = top_pools(score, visible_pools(slots, context), k_blocks)
-    ranked, ranked_ok = by_score(slot, chosen, chosen_score)
+    plan = plan_pools(context, ratio)
+    keys = compressed_keys(index_k, k_norm_weight, cos, sin, plan.ends, context, ratio, eps)
+    score = relu_head_scores(q.float(), gather_pool_keys(keys, context)) / math.sqrt(q.shape[-1])
     # dense phase (every visible block fits the budget): ascending blocks, as NeMo emits them
-    pos = context.local_position_ids
-    dense = ((pos + 1) // ratio <= k_blocks)[..., None]
-    slot, chosen = torch.where(dense, slot, ranked), torch.where(dense, chosen, ranked_ok)
-    block_end = slots.gather(1, slot.flatten(1)).view_as(slot)
-    rows = pool_tokens(block_end, chosen, ratio)
-    if ratio > 1:  # the tail right after the chosen blocks: valid ids first, as NeMo lays out
-        first = chosen.sum(-1, keepdim=True) * ratio
-        rows = place_tail(rows, tail_tokens(context, ratio), first)
-    return rows
+    dense = ((context.local_position_ids + 1) // ratio <= k_blocks)[..., None]
+    return select_pools(score, plan, context, ratio, k_blocks, tail="after_chosen",
+                        ascending=dense)  # fmt: skip

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from fcp.checks import check_choice, check_float
+
 __all__ = [
     "choose_backend",
     "default_scale",
@@ -38,16 +40,13 @@ def choose_backend(op: str, backend: str, allowed: tuple[str, ...], auto: str) -
     >>> choose_backend("kda", "auto", ("chunked", "fla"), "chunked")
     'chunked'
     """
-    if backend == "auto":
-        return auto
-    if backend not in allowed:
-        raise ValueError(f"{op}: backend must be 'auto' or one of {allowed}, got {backend!r}")
-    return backend
+    backend = check_choice(backend, "backend", ("auto", *allowed), fn=op)
+    return auto if backend == "auto" else backend
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
     """``head_dim ** -0.5`` when ``scale`` is ``None``, else ``float(scale)``."""
-    return head_dim**-0.5 if scale is None else float(scale)
+    return head_dim**-0.5 if scale is None else check_float(scale, "scale")
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:

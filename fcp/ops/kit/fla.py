@@ -52,9 +52,7 @@ __all__ = [
 ]
 
 
-def fla_cp_fields(
-    global_cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int
-) -> dict[str, Any]:
+def fla_cp_fields(global_cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> dict[str, Any]:
     """FLA's contiguous-layout CP metadata of one rank, from a row's global boundaries.
 
     Args:
@@ -88,21 +86,14 @@ def fla_cp_fields(
     first_owner = first_start // length
     last_owner = (last_end - 1) // length
     return dict(
-        cu_seqlens_cpu=local,
-        pre_num_ranks=cp_rank - first_owner,
-        post_num_ranks=last_owner - cp_rank,
-        is_first_rank=first_owner == cp_rank,
-        is_last_rank=last_owner == cp_rank,
-        pre_num_conv_tokens=start - first_start,
+        cu_seqlens_cpu=local, pre_num_ranks=cp_rank - first_owner,
+        post_num_ranks=last_owner - cp_rank, is_first_rank=first_owner == cp_rank,
+        is_last_rank=last_owner == cp_rank, pre_num_conv_tokens=start - first_start,
     )
 
 
-def build_fla_cp_context(
-    packed_context: PackedContext,
-    row: int,
-    cp_group: Any = None,
-    conv_kernel_size: int | None = None,
-):
+def build_fla_cp_context(packed_context: PackedContext, row: int, cp_group: Any = None,
+                         conv_kernel_size: int | None = None):
     """FLA's own :class:`fla.ops.cp.FLACPContext` for one batch row of this rank's shard.
 
     Args:
@@ -133,9 +124,7 @@ def build_fla_cp_context(
         ctx = FLACPContext(
             group=cp_group,
             cu_seqlens=local_cpu.to(device=packed_context.doc_ids.device, non_blocking=True),
-            cu_seqlens_cpu=local_cpu,
-            conv1d_kernel_size=conv_kernel_size,
-            **fields,
+            cu_seqlens_cpu=local_cpu, conv1d_kernel_size=conv_kernel_size, **fields,
         )
         return cp_group, ctx  # keeps the group alive, so its id() cannot be reused
 
@@ -150,15 +139,9 @@ def make_fla_cp_context(cu_seqlens, cu_seqlens_cpu, group_name: str, pre, post, 
     from fla.ops.cp import FLACPContext
 
     return FLACPContext(
-        group=process_group_from_name(group_name),
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        pre_num_ranks=pre,
-        post_num_ranks=post,
-        is_first_rank=first,
-        is_last_rank=last,
-        conv1d_kernel_size=conv,
-        pre_num_conv_tokens=pre_conv,
+        group=process_group_from_name(group_name), cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, pre_num_ranks=pre, post_num_ranks=post, is_first_rank=first,
+        is_last_rank=last, conv1d_kernel_size=conv, pre_num_conv_tokens=pre_conv,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fcp.ops.attention.loops import attend_keys, prepare
+from fcp.ops.kit.loops import attend_keys, per_query, prepare
 
 __all__ = ["doc_causal_attention_reference"]
 
@@ -14,11 +14,9 @@ def doc_causal_attention_reference(q, k, v, doc_ids, scale=None) -> torch.Tensor
     """float64 ``[batch, seq, heads, Dv]`` from global ``q [b, seq, H, D]``, ``k``/``v``
     ``[b, seq, Hkv, D|Dv]`` and ``doc_ids [b, seq]``, one query at a time (tests only)."""
     q, k, v, scale = prepare(q, k, v, scale)
-    batch, seq = doc_ids.shape
-    rows = []
-    for b in range(batch):
-        doc = doc_ids[b].tolist()
-        for t in range(seq):
-            keys = [s for s in range(t + 1) if doc[t] != 0 and doc[s] == doc[t]]
-            rows.append(attend_keys(q[b, t], k[b], v[b], keys, scale))
-    return torch.stack(rows).view(batch, seq, *rows[0].shape)
+
+    def row(b, t, doc):
+        keys = [s for s in range(t + 1) if doc[t] != 0 and doc[s] == doc[t]]
+        return attend_keys(q[b, t], k[b], v[b], keys, scale)
+
+    return per_query(doc_ids, row)

@@ -45,7 +45,7 @@ def same_doc(doc_q: torch.Tensor, doc_k: torch.Tensor) -> torch.Tensor:
 
 
 def doc_causal_mask(
-    doc_q: torch.Tensor, q_pos: torch.Tensor, doc_k: torch.Tensor, k_pos: torch.Tensor
+                    doc_q: torch.Tensor, q_pos: torch.Tensor, doc_k: torch.Tensor, k_pos: torch.Tensor
 ) -> torch.Tensor:
     """bool ``[batch, q, k]``: key ``s`` is in the (real) document of query ``t`` and ``s <= t``.
 

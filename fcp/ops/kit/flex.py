@@ -59,16 +59,9 @@ def _kernel(q: torch.Tensor):
     return _compiled_flex_attention()
 
 
-def flex_attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    doc_q: torch.Tensor,
-    key_doc: torch.Tensor,
-    q_lo: torch.Tensor,
-    q_hi: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_q: torch.Tensor,
+                key_doc: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.Tensor,
+                scale: float) -> torch.Tensor:
     """Masked attention with FlexAttention.
 
     Args:

@@ -1,14 +1,39 @@
-"""Per-query float64 helpers of the attention references (specifications and test oracles).
+"""Per-query float64 helpers of the references (specifications and test oracles).
 
 Every reference computes one query at a time from its operator's definition, with Python loops
 over keys: slow and obviously correct, for tests only.
+
+>>> [(b, t, start) for b, t, doc, start in real_queries(torch.tensor([[1, 1, 2, 0]]))]
+[(0, 0, 0), (0, 1, 0), (0, 2, 2)]
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["prepare", "softmax_row", "attend_keys", "empty_row"]
+from fcp.layout import PAD_DOC_ID
+
+__all__ = ["prepare", "softmax_row", "attend_keys", "empty_row", "per_query", "real_queries"]
+
+
+def real_queries(doc_ids: torch.Tensor):
+    """``(row, t, doc, start)`` for every real (non-pad) token of ``doc_ids [batch, seq]``:
+    ``doc`` the row's ids as a list, ``start`` the position where ``t``'s document starts."""
+    for b in range(doc_ids.shape[0]):
+        doc = doc_ids[b].tolist()
+        for t, d in enumerate(doc):
+            if d != PAD_DOC_ID:
+                yield b, t, doc, doc.index(d)
+
+
+def per_query(doc_ids: torch.Tensor, row_fn) -> torch.Tensor:
+    """``[batch, seq, ...]``: ``row_fn(b, t, doc)`` stacked for every token (pad ones included)."""
+    batch, seq = doc_ids.shape
+    rows = []
+    for b in range(batch):
+        doc = doc_ids[b].tolist()
+        rows += [row_fn(b, t, doc) for t in range(seq)]
+    return torch.stack(rows).view(batch, seq, *rows[0].shape)
 
 
 def prepare(q, k, v, scale):

@@ -1,11 +1,16 @@
-"""Document-aligned pools of ``k`` tokens under contiguous CP, for the indexers.
+"""Document-aligned pools of ``k`` tokens under contiguous CP, and the indexers' selection pipeline.
 
 What the two indexers (:mod:`fcp.ops.kpool_indexer`, GLM-5.3-Flash's DSA k-pool indexer, and
 :mod:`fcp.ops.qsa_indexer`, Qwen3.8-Flash-Next's QSA selection) share: where pools end, a static
 table of pool slots, the ``k`` tokens behind each pool end (across rank boundaries), the
-all-gather of one summary vector per pool, a top-k with a fixed tie rule, and the expansion of
-chosen pools (plus the query's incomplete pool, the *tail*) back to global token ids. Nothing
-here computes a pooled key or a score: each indexer brings its own.
+all-gather of one summary vector per pool, the relu-of-dot-product head scores, a top-k with a
+fixed tie rule, and the expansion of chosen pools (plus the query's incomplete pool, the *tail*)
+back to global token ids. Each indexer brings only its pooled keys, its queries and its layout::
+
+    plan = plan_pools(context, k)                               # replicated slot table
+    keys = my_pooled_keys(..., plan.ends)                        # [batch, C, Di], this rank's
+    score = relu_head_scores(q, gather_pool_keys(keys, context), weights, scale)
+    rows = select_pools(score, plan, context, k, n_pools, tail=...)
 
 Pools. Pool ``j`` of a document covers its document-local positions ``[j*k, (j+1)*k)``; only
 complete pools exist. A token *ends a pool* iff it is real (doc id != 0) and its document-local
@@ -36,14 +41,22 @@ collectives are one ``k - 1`` token left halo and one all-gather of the per-slot
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
+from fcp.checks import check_positive_int, check_tensor
 from fcp.comm import all_gather_sequence, left_halo
 from fcp.context import PackedContext
 from fcp.layout import PAD_DOC_ID, document_starts, position_ids_from_doc_ids
 
 __all__ = [
+    "check_selection",
+    "PoolPlan",
+    "plan_pools",
+    "gather_pool_keys",
+    "relu_head_scores",
+    "select_pools",
     "pool_ends",
     "slot_capacity",
     "pool_slots",
@@ -104,7 +117,7 @@ def local_slots(slots: torch.Tensor, context: PackedContext, kpool: int) -> torc
 
 
 def pool_windows(
-    x: torch.Tensor, ends: torch.Tensor, context: PackedContext, kpool: int
+                 x: torch.Tensor, ends: torch.Tensor, context: PackedContext, kpool: int
 ) -> torch.Tensor:
     """The ``kpool`` tokens of each local pool: ``[batch, C, kpool, *channels]``.
 
@@ -146,7 +159,7 @@ def visible_pools(slots: torch.Tensor, context: PackedContext) -> torch.Tensor:
 
 
 def top_pools(
-    score: torch.Tensor, visible: torch.Tensor, k: int
+              score: torch.Tensor, visible: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``k`` best visible pools per query, with a fixed tie rule.
 
@@ -189,7 +202,7 @@ def top_pools(
 
 
 def by_score(
-    slot: torch.Tensor, chosen: torch.Tensor, chosen_score: torch.Tensor
+             slot: torch.Tensor, chosen: torch.Tensor, chosen_score: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reorder :func:`top_pools`' output by descending score, ties (and ``-inf``) by slot, the
     unchosen entries last (a stable sort of ``k`` entries)."""
@@ -237,7 +250,7 @@ def place_tail(rows: torch.Tensor, tail: torch.Tensor, first: torch.Tensor) -> t
 
 
 def rank_pools_reference(
-    scores: list[float], robust_zero: list[bool], k: int, tol: float = 1e-4
+                         scores: list[float], robust_zero: list[bool], k: int, tol: float = 1e-4
 ) -> tuple[list[int], bool, bool]:
     """The tie rule for the references (plain Python, one query): ``(chosen, near_tie,
     exact_tie)``.
@@ -258,3 +271,92 @@ def rank_pools_reference(
             else:
                 near = True
     return order[:k], near, exact
+
+
+# ---------------------------------------------------------------------------------------------
+# the selection pipeline both indexers run
+# ---------------------------------------------------------------------------------------------
+def check_selection(name: str, index_q, batch: int, local: int, budget: int, pool: int, *,
+                    budget_name: str, pool_name: str) -> tuple[int, int]:  # fmt: skip
+    """An indexer's budget (tokens from complete pools, a multiple of the pool size) and its
+    queries ``index_q [batch, local, index_heads, Di]`` (floating point); returns
+    ``(budget, pool)`` as ints (the :mod:`fcp.checks` rule)."""
+    pool = check_positive_int(pool, pool_name, fn=name)
+    budget = check_positive_int(budget, budget_name, fn=name)
+    if budget % pool:
+        raise ValueError(f"{name}: {budget_name}={budget} must be a multiple of {pool_name}={pool}")
+    check_tensor(index_q, "index_q", fn=name, kind="float", shape=(batch, local, None, None),
+                 layout="[batch, local_seq, index_heads, Di]")  # fmt: skip
+    return budget, pool
+
+
+class PoolPlan(NamedTuple):
+    """Replicated pool slots ``[batch, P]`` (:func:`pool_slots`) and this rank's ``[batch, C]``."""
+
+    slots: torch.Tensor
+    ends: torch.Tensor
+
+
+def plan_pools(context: PackedContext, kpool: int) -> PoolPlan:
+    """The slot table of pools of ``kpool`` tokens, from the replicated map (no communication)."""
+    slots = pool_slots(context.doc_ids, kpool, context.cp_size)
+    return PoolPlan(slots, local_slots(slots, context, kpool))
+
+
+def gather_pool_keys(local_keys: torch.Tensor, context: PackedContext) -> torch.Tensor:
+    """This rank's pooled keys ``[batch, C, Di]`` -> every rank's, fp32, transposed for the
+    score matmul: ``[batch, Di, P]`` (one all-gather, no gradient)."""
+    return all_gather_slots(local_keys, context).float().transpose(1, 2)
+
+
+def relu_head_scores(q: torch.Tensor, keys_t: torch.Tensor,
+                     head_weights: torch.Tensor | None = None,
+                     scale: float | None = None) -> torch.Tensor:
+    """fp32 ``[batch, local, P]``: ``sum_h w_h * relu(scale * q_h . k_p)``.
+
+    ``q`` fp32 ``[batch, local, heads, Di]``, ``keys_t`` from :func:`gather_pool_keys`;
+    ``head_weights`` ``[batch, local, heads]`` (``None``: 1) and ``scale`` (``None``: no
+    multiply, so the arithmetic is exactly the unscaled one). One ``[local, P]`` matmul per head
+    bounds the memory.
+    """
+    score = None
+    for h in range(q.shape[2]):
+        dots = torch.matmul(q[:, :, h], keys_t)
+        term = torch.relu(dots if scale is None else dots * scale)
+        if head_weights is not None:
+            term = head_weights[:, :, h, None] * term
+        score = term if score is None else score + term
+    return score
+
+
+#: Where the tail goes in a row: after ``min(n_pools, complete pools of the document)`` pool
+#: slots (GLM's layout), right after the chosen pools (QSA's: valid ids first), or nowhere.
+TAIL_LAYOUTS = ("after_document_pools", "after_chosen", "none")
+
+
+def select_pools(score: torch.Tensor, plan: PoolPlan, context: PackedContext, kpool: int,
+                 n_pools: int, *, tail: str,
+                 ascending: torch.Tensor | None = None) -> torch.Tensor:
+    """Global token ids ``[batch, local, n_pools * kpool (+ kpool - 1)]`` of the chosen pools.
+
+    The ``n_pools`` best visible pools by ``score`` (:func:`top_pools`' tie rule), ordered by
+    descending score, or ascending where ``ascending`` (bool ``[batch, local, 1]``) holds;
+    each pool's tokens ascending; ``-1`` for unfilled entries; then the tail per ``tail``
+    (:data:`TAIL_LAYOUTS`; none when ``kpool == 1``).
+    """
+    slot, chosen, chosen_score = top_pools(score, visible_pools(plan.slots, context), n_pools)
+    ranked, ranked_ok = by_score(slot, chosen, chosen_score)
+    if ascending is None:
+        slot, chosen = ranked, ranked_ok
+    else:
+        slot, chosen = torch.where(ascending, slot, ranked), torch.where(ascending, chosen, ranked_ok)
+    ends = plan.slots.gather(1, slot.flatten(1)).view_as(slot)
+    rows = pool_tokens(ends, chosen, kpool)
+    if tail == "none" or kpool == 1:
+        return rows
+    if tail == "after_document_pools":
+        n_doc = doc_lengths(context.doc_ids, context.seq_start, context.local_seq_len)
+        first = torch.clamp(n_doc // kpool, max=n_pools)[..., None] * kpool
+    else:
+        first = chosen.sum(-1, keepdim=True) * kpool
+    return place_tail(rows, tail_tokens(context, kpool), first)

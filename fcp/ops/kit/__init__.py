@@ -1,0 +1,13 @@
+"""The operators' toolkit: what several operator folders share, so that no operator imports
+another and nothing is copied between them.
+
+* :mod:`.common` - backend choice, default scale, compute dtype, isolation of non-finite values;
+* :mod:`.attention` - the q/k/v rule, the softmax backend choice, backward anchors;
+* :mod:`.softmax` - the dense masked fp32 softmax over key parts (every device);
+* :mod:`.flex` - FlexAttention with the same masks (CUDA);
+* :mod:`.masks` - attention masks from the replicated doc-id map;
+* :mod:`.pools` - document-aligned pools under CP and the selection pipeline of both indexers;
+* :mod:`.norms` - zero-centred RMSNorm and rotate-half RoPE in the model's dtype;
+* :mod:`.fla` - FLA planning and custom-op plumbing shared by the FLA backends;
+* :mod:`.loops` - float64 per-query helpers of the attention references (tests only).
+"""
