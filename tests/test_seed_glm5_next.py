@@ -294,3 +294,62 @@ def test_build_fla_cp_context_matches_fla(fake_world4):
         assert all(getattr(got, n) == getattr(ref, n) for n in fields)
         assert got.cu_seqlens.tolist() == ref.cu_seqlens.tolist()
         assert glm.build_fla_cp_context(layout, -1, group, 4) is got  # memoised, row -1 = 0
+
+
+# ------------------------------------------------------------------ one cache, converted once
+def _constructions(monkeypatch) -> list:
+    """Every :class:`PackedContext` constructed (so validated) from now on, in order."""
+    built, post_init = [], PackedContext.__post_init__
+
+    def counting(self):
+        built.append(self)
+        post_init(self)
+
+    monkeypatch.setattr(PackedContext, "__post_init__", counting)
+    return built
+
+
+def test_the_sharders_core_serves_every_forward(fake_world4, monkeypatch):
+    """Shard once, then three steps of what NeMo's model does with the context: FSDP's input
+    cast rebuilds it, KDA plans FLA per row, NeMo's non-CP path reads row boundaries."""
+    pytest.importorskip("fla.ops.cp")
+    group = fake_world4(1)
+    built = _constructions(monkeypatch)
+    batch = {"input_ids": torch.arange(28).view(2, 14) + 1,
+             "_packed_seq_ids": T([[1] * 5 + [2] * 6 + [3] * 3, [4] * 9 + [0] * 5])}  # fmt: skip
+    _, batch, _ = glm.shard_batch_for_glm5_next_cp(group, None, batch)
+    (core,) = built  # fcp.shard_batch's, validated once
+    ctx = batch["glm5_next_packed_context"]
+    assert ctx.to_packed_context(group) is core and core.seq_start == ctx.seq_start == 4
+    plans = [glm.build_fla_cp_context(ctx, row, group, 4) for row in range(2)]
+    for _ in range(3):
+        step = _apply_to_tensors(lambda t: t.float() if t.is_floating_point() else t, {"c": ctx})
+        step = step["c"]
+        assert step is not ctx and step == ctx and step.to_packed_context(group) is core
+        assert all(glm.build_fla_cp_context(step, r, group, 4) is plans[r] for r in range(2))
+        assert all(step.row_cu_seqlens(r) is core.row_cu_seqlens(r) for r in range(2))
+    assert core.row_cu_seqlens(1)[1].tolist() == [0, 9, 16]
+    assert len(built) == 1
+    for clone in (copy.deepcopy(ctx), pickle.loads(pickle.dumps(ctx))):  # the core stays behind
+        assert clone.to_packed_context(group) is not core
+        assert torch.equal(clone.to_packed_context(group).doc_ids, core.doc_ids)
+
+
+def test_a_changed_field_never_serves_a_stale_core():
+    ctx = glm.Glm5NextPackedContext(DOC_IDS.clone(), original_seq_len=10)
+    core = ctx.to_packed_context(None)
+    assert ctx.row_cu_seqlens(0) is core.row_cu_seqlens(0)  # boundaries live in the core's memo
+    ctx.original_seq_len = 12  # NeMo code assigns fields
+    assert ctx.to_packed_context(None) is not core
+    assert ctx.to_packed_context(None).original_seq_len == 12
+    ctx.doc_ids[0, :2] = 7  # an in-place edit of the map
+    assert ctx.row_cu_seqlens(0)[1].tolist() == [0, 2, 4, 5, 10, 12]
+    assert ctx.to_packed_context(None).doc_ids.tolist() == [[1, 1, 2, 2, 3] + [4] * 5 + [0, 0]]
+    moved = dataclasses.replace(ctx, original_seq_len=11)  # shares the memo, not its entries
+    assert moved.to_packed_context(None).original_seq_len == 11
+    assert ctx.to_packed_context(None).original_seq_len == 12
+    # NeMo's non-CP forward builds left-padded maps, which no core represents: memoised too
+    left = glm.Glm5NextPackedContext(T([[0, 0, 1, 1]], dtype=torch.int32))
+    assert left.row_cu_seqlens(0) is left.row_cu_seqlens(-1) is left._cu_seqlens[0]
+    left.doc_ids = T([[0, 1, 1, 1]], dtype=torch.int32)
+    assert left.row_cu_seqlens(0)[1].tolist() == [0, 1, 4]

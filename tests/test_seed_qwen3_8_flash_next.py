@@ -239,3 +239,27 @@ def test_bad_batch_fails_identically_on_every_rank(rank_pool):
 
 def _shard_on_rank(env, batch):
     qwen.shard_batch_for_qwen3_8_flash_next_cp(env.mesh(), None, batch)
+
+
+def test_the_sharders_core_is_the_contexts_packed_context(monkeypatch):
+    built, post_init = [], PackedContext.__post_init__
+
+    def counting(self):  # every PackedContext constructed, so validated
+        built.append(self)
+        post_init(self)
+
+    monkeypatch.setattr(PackedContext, "__post_init__", counting)
+    batch = {"input_ids": torch.arange(10).view(1, 10), "labels": torch.zeros(1, 10).long(),
+             "cu_seqlens": T([0, 4, 10])}  # fmt: skip
+    _, batch, _ = qwen.shard_batch_for_qwen3_8_flash_next_cp(None, None, batch)
+    (core,) = built  # fcp.shard_batch's
+    ctx = batch["_qwen3_8_flash_next_cp_context"]
+    x = torch.randn(1, ctx.local_sequence_length, 3)
+    for _ in range(3):  # the layers' collectives read the context
+        qwen.qwen3_8_flash_next_cp_all_gather(x, ctx)
+        qwen.qwen3_8_flash_next_cp_left_halo(x, ctx, history=3)
+        assert ctx.packed_context is core
+    assert len(built) == 1
+    again = dataclasses.replace(ctx)  # __init__ validates and derives the same layout
+    assert again == ctx and torch.equal(again.packed_context.doc_ids, core.doc_ids)
+    assert core.doc_ids.tolist() == [[1] * 4 + [2] * 6 + [0] * 2]

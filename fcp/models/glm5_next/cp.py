@@ -40,9 +40,23 @@ non-zero ids; fcp's core sees them renumbered 1, 2, ... as int64 (``to_packed_co
 mixed-precision hook rebuilds it with ``dataclasses.replace`` (every field passed back to
 ``__init__``), so it may hold no ``init=False`` field and no other dataclass. It is therefore not a
 pytree: fcp's compiled code takes ``context.to_packed_context(group)``, the frozen pytree
-:class:`~fcp.context.PackedContext` (memoised per group outside the dataclass fields; assigning a
-field drops that memo). Its constructor checks shapes and types only (no host sync) and accepts
-any map NeMo's model builds, left padding included; ``to_packed_context`` validates the values.
+:class:`~fcp.context.PackedContext`. Its constructor checks shapes and types only (no host sync)
+and accepts any map NeMo's model builds, left padding included; ``to_packed_context`` validates
+the values.
+
+One cache; contexts converted once. Host planning (segment boundaries, FLA contexts) lives in the
+core ``PackedContext``'s host memo. The sharder's context holds the very core
+:func:`fcp.shard_batch` built and validated: ``to_packed_context(group)`` returns it (no second
+construction, no second host sync), and ``row_cu_seqlens`` / ``build_fla_cp_context`` read its
+memo. NeMo's contract decides where that core is kept: in ``_cu_seqlens``, under a key of its own,
+inside a small host memo object, because that is the one field that can carry a memo through
+``dataclasses.replace`` and FSDP's cast to the rebuilt context (the cast copies the dict, not the
+object in it). The int rows of ``_cu_seqlens`` mirror ``row_cu_seqlens`` results for NeMo code
+and are never read. A context NeMo's model builds itself for a non-CP forward (possibly
+left-padded, which no core represents) has no core and keeps its row boundaries in that host memo.
+Every entry records the field values it was computed from (the map by identity and in-place
+version) and serves no context whose fields changed since, so assigning a field needs no hook.
+Copies and pickles start with an empty memo.
 
 Stricter than NeMo (NeMo silently accepts these, or fails later or with another exception; fcp
 raises ``ValueError`` / ``TypeError`` naming the argument and value, before any collective and
@@ -82,7 +96,8 @@ before touching the batch):
   ``padding_token_id`` or non-bool ``shard_primary``.
 * ``[context]`` ``Glm5NextPackedContext`` whose ``doc_ids`` is not a 2-D integer tensor, whose
   length is not a multiple of ``cp_size``, whose ``seq_start`` is not ``rank * local_seq_len``,
-  or whose ``original_seq_len`` is outside ``[0, padded length]`` (NeMo floor-divides).
+  or whose ``original_seq_len`` is outside ``[0, padded length]`` (NeMo floor-divides), or whose
+  ``_cu_seqlens`` is not a dict (NeMo fails in ``row_cu_seqlens``).
 * ``[row]`` ``row_cu_seqlens`` / ``build_fla_cp_context`` with a non-int row (an out-of-range row
   raises ``IndexError``, as in NeMo).
 * ``[group]`` ``build_fla_cp_context`` / ``to_packed_context`` with a group whose size is not
@@ -99,7 +114,6 @@ NeMo's private FLA probe ``_FLA_CP_AVAILABLE`` / ``_build_cp_context`` (fcp impo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,11 +121,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fcp.checks import check_int, check_tensor
+from fcp.checks import check_instance, check_int, check_tensor
 from fcp.comm import all_gather_backward_anchor as core_backward_anchor
 from fcp.comm import all_gather_sequence as core_all_gather_sequence
 from fcp.comm import dependent_zeros
-from fcp.context import PackedContext
+from fcp.context import PackedContext, check_context
 from fcp.groups import resolve_group
 from fcp.layout import (
     PAD_DOC_ID,
@@ -190,6 +204,67 @@ def _runs(raw: torch.Tensor, name: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # layout
 # ---------------------------------------------------------------------------------------------
+#: Key of fcp's host memo in a context's ``_cu_seqlens`` dict (NeMo's keys are ints).
+_MEMO_KEY = "fcp.host_memo"
+
+
+def _state(context: "Glm5NextPackedContext") -> tuple:
+    """The field values a memo entry of ``context`` is computed from (the map by identity and
+    in-place version, so an assigned or edited map never matches an old entry)."""
+    ids = context.doc_ids
+    version = None if ids.is_inference() else ids._version  # inference tensors keep none
+    return ids, version, context.seq_start, context.cp_size, context.original_seq_len
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[0] is b[0] and a[1:] == b[1:]
+
+
+class _HostMemo:
+    """fcp's host memo of one layout, shared by every copy ``dataclasses.replace`` and FSDP's
+    input cast make of its :class:`Glm5NextPackedContext`.
+
+    It holds, per process group, the core :class:`~fcp.context.PackedContext` built for (or by)
+    the context, whose own host memo holds every planning result (segment boundaries, FLA
+    contexts); and the row boundaries of a layout that has no core. Every entry records the field
+    values it was computed from (:func:`_state`) and is served only to a context that still has
+    them. Not a container (FSDP's cast rebuilds containers; it passes this object on as it is);
+    copies and pickles start empty (a core holds a process group).
+    """
+
+    __slots__ = ("cores", "rows")
+
+    def __init__(self) -> None:
+        self.cores: dict[Any, tuple[tuple, PackedContext]] = {}  # group -> (state, core)
+        self.rows: tuple[tuple, dict[int, tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def __reduce__(self):
+        return _HostMemo, ()
+
+    def core(self, context: "Glm5NextPackedContext", group: Any) -> PackedContext | None:
+        """``context``'s core on ``group``, if one was built for its current field values."""
+        entry = self.cores.get(group)
+        return entry[1] if entry is not None and _same(entry[0], _state(context)) else None
+
+    def any_core(self, context: "Glm5NextPackedContext") -> PackedContext | None:
+        """A current core of ``context`` on any group (its map and boundaries are the same)."""
+        state = _state(context)
+        return next((core for built, core in self.cores.values() if _same(built, state)), None)
+
+    def keep(self, context: "Glm5NextPackedContext", core: PackedContext) -> PackedContext:
+        """Make ``core`` ``context``'s core on ``core.group``; its memo serves the boundaries."""
+        self.cores[core.group] = (_state(context), core)
+        self.rows = None
+        return core
+
+    def coreless_rows(self, context: "Glm5NextPackedContext") -> dict:
+        """Row index -> boundaries of ``context``'s current map, for a layout without a core."""
+        state = _state(context)
+        if self.rows is None or not _same(self.rows[0], state):
+            self.rows = (state, {})
+        return self.rows[1]
+
+
 @dataclass
 class Glm5NextPackedContext:
     """Global packed-document layout for one model step.
@@ -200,8 +275,10 @@ class Glm5NextPackedContext:
         seq_start: global offset of this rank's contiguous local token interval.
         cp_size: number of context-parallel ranks (divides the global length).
         original_seq_len: sequence length before CP divisibility padding.
-        _cu_seqlens: memo of :meth:`row_cu_seqlens` (an ``__init__`` field on purpose:
-            ``dataclasses.replace`` and FSDP's input casting pass it back; ``replace`` shares it).
+        _cu_seqlens: NeMo's memo field (an ``__init__`` field so that ``dataclasses.replace`` and
+            FSDP's input cast carry it to the rebuilt context). fcp keeps its one host memo in
+            it (under a key of its own) and mirrors each :meth:`row_cu_seqlens` result under the
+            row as given, which is all NeMo code sees.
 
     ``to_packed_context(group)`` is the same layout as fcp's frozen, pytree-registered
     :class:`~fcp.context.PackedContext` (int64 ids 1, 2, ... per row), for fcp's operators.
@@ -216,65 +293,59 @@ class Glm5NextPackedContext:
     )
 
     def __post_init__(self) -> None:
-        d = self.doc_ids
-        if not isinstance(d, torch.Tensor):
-            raise TypeError(f"doc_ids must be a torch.Tensor, got {type(d).__name__}")
-        if d.dim() != 2 or d.is_floating_point() or d.is_complex() or d.dtype == torch.bool:
-            raise ValueError(
-                f"doc_ids must be an integer [batch, sequence] tensor, got shape "
-                f"{tuple(d.shape)} dtype {d.dtype}"
-            )
-        cp_size = check_int(self.cp_size, "cp_size")
-        if cp_size < 1 or d.shape[1] % cp_size:
-            raise ValueError(
-                f"cp_size={cp_size} must be positive and divide the doc_ids length {d.shape[1]}"
-            )
+        fn = "Glm5NextPackedContext"
+        d = check_tensor(self.doc_ids, "doc_ids", fn=fn, kind="int", dim=2,
+                         layout="[batch, sequence]")  # fmt: skip
+        cp_size = check_int(self.cp_size, "cp_size", 1, fn=fn)
+        if d.shape[1] % cp_size:
+            raise ValueError(f"{fn}: cp_size={cp_size} must divide the doc_ids length {d.shape[1]}")
         local = d.shape[1] // cp_size
-        start = check_int(self.seq_start, "seq_start")
+        start = check_int(self.seq_start, "seq_start", fn=fn)
         if not (0 <= start < max(d.shape[1], 1) and (local == 0 or start % local == 0)):
             raise ValueError(
-                f"seq_start={start} must be r * local_seq_len ({local}) for a rank r in "
+                f"{fn}: seq_start={start} must be r * local_seq_len ({local}) for a rank r in "
                 f"[0, cp_size={cp_size})"
             )
         if self.original_seq_len is not None:
-            original = check_int(self.original_seq_len, "original_seq_len")
-            if not 0 <= original <= d.shape[1]:
+            original = check_int(self.original_seq_len, "original_seq_len", 0, fn=fn)
+            if original > d.shape[1]:
                 raise ValueError(
-                    f"original_seq_len={original} is outside [0, {d.shape[1]}] (the padded "
+                    f"{fn}: original_seq_len={original} is outside [0, {d.shape[1]}] (the padded "
                     "global length)"
                 )
+        check_instance(self._cu_seqlens, dict, "_cu_seqlens", fn=fn)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-        if name in _CONTEXT_FIELDS:
-            self.__dict__.pop("_fcp_cores", None)  # a field changed: rebuild core contexts
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Copies and pickles carry the fields, not the cores (they may hold a process group).
-        return {k: v for k, v in self.__dict__.items() if k != "_fcp_cores"}
+    @classmethod
+    def _of_core(cls, core: PackedContext, doc_ids: torch.Tensor) -> "Glm5NextPackedContext":
+        """The NeMo view, with NeMo's map ``doc_ids``, of the core ``core`` (which it keeps)."""
+        out = cls(doc_ids, core.seq_start, core.cp_size, core.original_seq_len)
+        out._memo().keep(out, core)
+        return out
 
     @classmethod
     def from_packed_context(cls, context: PackedContext) -> "Glm5NextPackedContext":
         """The NeMo view (int32 ids) of a core context; ``to_packed_context(group)`` returns it."""
-        out = cls(
-            doc_ids=context.doc_ids.to(torch.int32),
-            seq_start=context.seq_start,
-            cp_size=context.cp_size,
-            original_seq_len=context.original_seq_len,
-        )
-        out.__dict__["_fcp_cores"] = {context.group: context}
-        return out
+        context = check_context(context, fn="Glm5NextPackedContext.from_packed_context")
+        return cls._of_core(context, context.doc_ids.to(torch.int32))
+
+    def _memo(self) -> _HostMemo:
+        memo = self._cu_seqlens.get(_MEMO_KEY)
+        if not isinstance(memo, _HostMemo):
+            memo = self._cu_seqlens[_MEMO_KEY] = _HostMemo()
+        return memo
 
     def to_packed_context(self, cp_group: Any = None) -> PackedContext:
         """This layout as fcp's :class:`~fcp.context.PackedContext` on ``cp_group``.
 
         ``cp_group``: ``ProcessGroup``, 1-D ``DeviceMesh`` or ``None`` (no CP). Its size must be
         ``cp_size`` and this rank must own ``seq_start``; the map must have padding only as a
-        right tail (``ValueError`` otherwise). Memoised per group.
+        right tail (``ValueError`` otherwise). Built (and validated) once per group and field
+        values: the sharder's context returns the sharder's core, also after
+        ``dataclasses.replace`` / FSDP's input cast; after a field is assigned, a new one.
         """
         info = resolve_group(cp_group)
-        cores = self.__dict__.setdefault("_fcp_cores", {})
-        core = cores.get(info.group)
+        memo = self._memo()
+        core = memo.core(self, info.group)
         if core is None:
             if info.size != self.cp_size:
                 raise ValueError(
@@ -288,7 +359,7 @@ class Glm5NextPackedContext:
                 seq_start=self.seq_start,
                 original_seq_len=self.original_seq_len,
             )
-            cores[info.group] = core
+            memo.keep(self, core)
         return core
 
     @property
@@ -310,21 +381,28 @@ class Glm5NextPackedContext:
         """Return device/CPU segment boundaries for one packed batch row.
 
         int64 ``[runs + 1]`` from 0 to the padded length: every run of equal ids (the pad tail
-        included) is a segment (:func:`fcp.layout.segment_cu_seqlens`). Memoised in
-        ``_cu_seqlens`` under ``row`` as given; negative rows count from the end.
+        included) is a segment (:func:`fcp.layout.segment_cu_seqlens`); negative rows count from
+        the end. Computed once per row and field values: by the core's memo
+        (:meth:`PackedContext.row_cu_seqlens`) when the layout has a core, else in fcp's host
+        memo (a layout NeMo's model builds itself, possibly left-padded). Mirrored in
+        ``_cu_seqlens`` under ``row`` as given.
         """
-        cached = self._cu_seqlens.get(row)
-        if cached is None:
-            index, rows = check_int(row, "row"), self.doc_ids.shape[0]
-            if not -rows <= index < rows:
-                raise IndexError(f"index {index} is out of bounds for dimension 0 with size {rows}")
-            bounds = core_segment_cu_seqlens(self.doc_ids[index])
-            cached = (bounds, bounds.cpu())
-            self._cu_seqlens[row] = cached
-        return cached
-
-
-_CONTEXT_FIELDS = frozenset(f.name for f in dataclasses.fields(Glm5NextPackedContext))
+        index, rows = check_int(row, "row"), self.doc_ids.shape[0]
+        if not -rows <= index < rows:
+            raise IndexError(f"index {index} is out of bounds for dimension 0 with size {rows}")
+        index %= rows
+        memo = self._memo()
+        core = memo.any_core(self)
+        if core is not None:
+            bounds = core.row_cu_seqlens(index)
+        else:
+            cache = memo.coreless_rows(self)
+            if index not in cache:
+                device = core_segment_cu_seqlens(self.doc_ids[index])
+                cache[index] = (device, device.cpu())
+            bounds = cache[index]
+        self._cu_seqlens[row] = bounds
+        return bounds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,8 +738,7 @@ def shard_batch_for_glm5_next_cp(
         identically on every rank, before the batch is touched.
     """
     del tp_mesh
-    if not isinstance(batch, MutableMapping):
-        raise TypeError(f"batch must be a mutable mapping, got {type(batch).__name__}")
+    check_instance(batch, MutableMapping, "batch", fn="shard_batch_for_glm5_next_cp")
     if "input_ids" not in batch:
         raise MissingBatchKeyError("input_ids")
     rows = _thd_rows(batch)
@@ -698,13 +775,7 @@ def shard_batch_for_glm5_next_cp(
         shard_primary=shard_primary,
     )
     pad = core.global_seq_len - seq_len
-    context = Glm5NextPackedContext(
-        doc_ids=pad_sequence_dim(raw, pad, PAD_DOC_ID),
-        seq_start=core.seq_start,
-        cp_size=core.cp_size,
-        original_seq_len=seq_len,
-    )
-    context.__dict__["_fcp_cores"] = {core.group: core}
+    context = Glm5NextPackedContext._of_core(core, pad_sequence_dim(raw, pad, PAD_DOC_ID))
 
     # Everything is validated: mutate the batch, in NeMo's order (so its keys keep NeMo's order).
     batch.update(rows)

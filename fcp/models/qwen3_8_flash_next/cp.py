@@ -38,9 +38,14 @@ layouts and ``KeyError`` for missing labels, raised as
 also registers it as a pytree (tensor fields are leaves, group and sizes static) through
 :func:`fcp.pytree.register_frozen_pytree`, so it can enter a compiled model. Its fcp view
 ``packed_context`` (doc ids: the segments of ``global_cu_seqlens``, else one document per row over
-the non-pad tokens; pad 0) is derived without host synchronisation and kept outside the dataclass
-fields, so ``dataclasses.replace`` and FSDP's input casting see NeMo's fields only. Value checks
-(host syncs) run when the tensors have data, i.e. not while tracing.
+the non-pad tokens; pad 0) is kept outside the dataclass fields, so ``dataclasses.replace`` and
+FSDP's input casting see NeMo's fields only. The sharder's context holds the very core
+:func:`fcp.shard_batch` built and validated (no second construction, no second host sync); every
+layer's collectives and the core's host memo use that one object. A context made by ``__init__``
+(NeMo code, ``dataclasses.replace``, FSDP's cast, pytree unflattening, copies) validates its
+fields and derives its own core without host synchronisation, as NeMo's re-validates: a frozen
+dataclass's constructor cannot know the object it copies, and fcp keeps no global cache. Value
+checks (host syncs) run when the tensors have data, i.e. not while tracing.
 
 Stricter than NeMo (NeMo silently accepts these, or fails later or with another exception; fcp
 raises ``ValueError`` / ``TypeError`` naming the argument and value, identically on every rank,
@@ -88,7 +93,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fcp.checks import check_int, check_tensor
+from fcp.checks import check_instance, check_int, check_tensor
 from fcp.comm import all_gather_sequence, left_halo
 from fcp.context import PackedContext
 from fcp.groups import mesh_size, resolve_group
@@ -129,19 +134,13 @@ def __getattr__(name: str):
 # ---------------------------------------------------------------------------------------------
 # argument checks
 # ---------------------------------------------------------------------------------------------
-def _is_integer(t: torch.Tensor) -> bool:
-    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-
-
 def _is_binary(t: torch.Tensor) -> bool:
     return t.dtype == torch.bool or bool(((t == 0) | (t == 1)).all())
 
 
 def _boundaries(cu: Any, name: str) -> torch.Tensor:
     """``cu`` as int64 ``[n]`` boundaries: a 1-D (or one-row) integer tensor, else an error."""
-    cu = check_tensor(cu, name)
-    if not _is_integer(cu):
-        raise ValueError(f"{name} has dtype {cu.dtype}; boundaries are integers")
+    cu = check_tensor(cu, name, kind="int")
     if cu.dim() == 2 and cu.shape[0] == 1:
         cu = cu[0]
     if cu.dim() != 1:
@@ -229,9 +228,7 @@ class Qwen3_8_FlashNextCPContext:
             raise ValueError(
                 f"global_padding_mask is on {mask.device}, global_input_ids on {ids.device}"
             )
-        length = check_int(self.local_sequence_length, "local_sequence_length")
-        if length <= 0:
-            raise ValueError(f"local_sequence_length must be positive, got {length}")
+        length = check_int(self.local_sequence_length, "local_sequence_length", 1)
         if ids.shape[1] != length * size:
             raise ValueError(
                 f"global sequence {ids.shape[1]} != local_sequence_length={length} * size={size}"
@@ -261,8 +258,7 @@ class Qwen3_8_FlashNextCPContext:
                     "global_cu_seqlens must be a rank-1 boundary tensor with at least two "
                     f"entries, got shape {tuple(cu.shape)}"
                 )
-            if not _is_integer(cu):
-                raise ValueError(f"global_cu_seqlens has dtype {cu.dtype}; boundaries are integers")
+            check_tensor(cu, "global_cu_seqlens", kind="int")
             if ids.shape[0] != 1:
                 raise ValueError(
                     f"global_cu_seqlens describes one packed row, but the batch has {ids.shape[0]}"
@@ -278,6 +274,26 @@ class Qwen3_8_FlashNextCPContext:
             local_seq_len=length,
         )
         object.__setattr__(self, "_packed", packed)  # not a field: replace() rebuilds it
+
+    @classmethod
+    def _of_core(
+        cls, core: PackedContext, global_input_ids: torch.Tensor, global_cu_seqlens: Any
+    ) -> "Qwen3_8_FlashNextCPContext":
+        """The sharder's context of its core ``core``, whose ``packed_context`` is ``core``.
+
+        Every field but the padded ids and the boundaries is the core's own, and those two were
+        validated by the sharder, so nothing is checked or derived again (``__init__`` would
+        validate the values a second time and build a second core).
+        """
+        out = object.__new__(cls)
+        fields = dict(group=core.group, rank=core.cp_rank, size=core.cp_size,
+                      global_input_ids=global_input_ids,
+                      global_padding_mask=core.doc_ids == PAD_DOC_ID,
+                      local_sequence_start=core.seq_start, local_sequence_length=core.local_seq_len,
+                      global_cu_seqlens=global_cu_seqlens, _packed=core)  # fmt: skip
+        for name, value in fields.items():
+            object.__setattr__(out, name, value)
+        return out
 
     def _check_values(self, mask: torch.Tensor, cu: torch.Tensor | None) -> None:
         total = mask.shape[1]
@@ -300,7 +316,7 @@ class Qwen3_8_FlashNextCPContext:
     @property
     def packed_context(self) -> PackedContext:
         """fcp's :class:`~fcp.context.PackedContext` of this shard, for fcp's operators."""
-        return self.__dict__["_packed"]
+        return self._packed
 
     @property
     def global_sequence_length(self) -> int:
@@ -391,9 +407,7 @@ def qwen3_8_flash_next_cp_left_halo(
             "CP halo input must be [batch, local_sequence, channels]; got "
             f"{tuple(tensor.shape)} for local_sequence={context.local_sequence_length}"
         )
-    history = check_int(history, "history")
-    if history < 0:
-        raise ValueError(f"history must be non-negative, got {history}")
+    history = check_int(history, "history", 0)
     if history == 0:
         return tensor[:, :0]
     return left_halo(tensor, context.packed_context, history)
@@ -568,8 +582,7 @@ def shard_batch_for_qwen3_8_flash_next_cp(
         ``batch`` holds this rank's token tensors and the replicated
         :class:`Qwen3_8_FlashNextCPContext` under ``"_qwen3_8_flash_next_cp_context"``.
     """
-    if not isinstance(batch, MutableMapping):
-        raise TypeError(f"batch must be a mutable mapping, got {type(batch).__name__}")
+    check_instance(batch, MutableMapping, "batch", fn="shard_batch_for_qwen3_8_flash_next_cp")
     if mesh_size(tp_mesh) > 1:
         raise UnsupportedBatchError(
             "Qwen3.8-Flash-Next context parallelism cannot be composed with tensor parallelism"
@@ -601,8 +614,7 @@ def shard_batch_for_qwen3_8_flash_next_cp(
     rows, seq_len = ids.shape
     if seq_len == 0:
         raise ValueError("Qwen3.8-Flash-Next context parallelism requires a non-empty sequence")
-    if check_int(pad_multiple, "pad_multiple") <= 1:
-        raise ValueError(f"Qwen3.8-Flash-Next CP pad_multiple must exceed one, got {pad_multiple}")
+    check_int(pad_multiple, "pad_multiple", 2, fn="shard_batch_for_qwen3_8_flash_next_cp")
     if cu is not None:
         if rows != 1:
             raise ValueError(
@@ -645,16 +657,8 @@ def shard_batch_for_qwen3_8_flash_next_cp(
     )
     pad = core.global_seq_len - seq_len
     pos_dim = positions.dim() - 1
-    context = Qwen3_8_FlashNextCPContext(
-        group=core.group,
-        rank=core.cp_rank,
-        size=core.cp_size,
-        global_input_ids=pad_sequence_dim(ids, pad, padding_token_id),
-        global_padding_mask=core.doc_ids == PAD_DOC_ID,
-        local_sequence_start=core.seq_start,
-        local_sequence_length=core.local_seq_len,
-        global_cu_seqlens=cu,
-    )
+    global_ids = pad_sequence_dim(ids, pad, padding_token_id)
+    context = Qwen3_8_FlashNextCPContext._of_core(core, global_ids, cu)
 
     # Everything is validated: mutate the batch, in NeMo's order (so its keys keep NeMo's order).
     for key in ("cu_seqlens", "seq_lens", "seq_lens_padded", "qkv_format"):
