@@ -67,14 +67,6 @@ __all__ = [
 SUPPORTED = ADAPTERS
 
 
-def _is_transformers_model(module: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - nothing to enable without transformers
-        return False
-    return isinstance(module, PreTrainedModel)
-
-
 def enable_packed_cp(model: nn.Module) -> nn.Module:
     """Replace ``model``'s supported token mixers (:data:`SUPPORTED`) in place; return ``model``.
 
@@ -99,8 +91,10 @@ def enable_packed_cp(model: nn.Module) -> nn.Module:
         raise ValueError(f"enable_packed_cp: {type(model).__name__} has no supported token mixer "
                          f"(supported: {sorted(SUPPORTED)})")  # fmt: skip
     ContextScope.register(model, mixers)
+    from transformers import PreTrainedModel  # not a dependency of fcp: imported when needed
+
     for owner in model.modules():
-        if owner is not model and _is_transformers_model(owner):
+        if owner is not model and isinstance(owner, PreTrainedModel):
             inner = [(n, m) for n, m in owner.named_modules() if isinstance(m, FcpMixer)]
             if inner:
                 ContextScope.register(owner, inner)

@@ -10,7 +10,7 @@ Both read the DeepSeek attribute names (``q_proj`` or ``q_a_proj``/``q_a_layerno
     q, _ = fcp_query(x)                        # [B, L, H, nope + rope]
     latent, k_rope = fcp_latent(x)             # [B, L, kv_lora_rank] (normed), [B, L, rope]
     q, k_rope = fcp_rotate(q, k_rope, ctx)     # NoPE: unchanged (a RoPE model rotates here)
-    k, v = expand(latent, k_rope)              # per head; k = [k_nope | k_rope shared]
+    k, v = fcp_expand(latent, k_rope)          # per head; k = [k_nope | k_rope shared]
     o = doc_causal_attention(q, k, v, ctx)     # under CP: an all-gather of the expanded K/V
     out = fcp_output(o, x)                     # o_proj (Bailing-Hybrid: its head-wise gate first)
 

@@ -1,13 +1,15 @@
-"""The transformers integration's mechanism and guard (:mod:`fcp.integrations.hf.core`), on tiny
-GLM-5.3-Flash, Kimi-Linear and Qwen3-Next models (their numerics: ``tests/test_hf_glm5.py``,
-``tests/test_hf_kimi_qwen3next.py``).
+"""The transformers integration's mechanism and guard (:mod:`fcp.integrations.hf.core`) and its
+RoPE tables (:mod:`fcp.integrations.hf.rope`), on tiny GLM-5.3-Flash, Kimi-Linear and Qwen3-Next
+models (their numerics: ``tests/test_hf_glm5.py``, ``tests/test_hf_kimi_qwen3next.py``).
 
 * nothing is copied: each mixer stays the same object with the same attributes (plus the one the
   design documents), its class a cached subclass of the transformers class adding only ``fcp_``
   methods;
 * a forward given a ``cp_context`` never runs the non-CP path silently: a decoder layer that drops
   the context, a KV cache, or a context of the wrong type raise, and leave nothing marked;
-* a compiled mixer does not recompile across packings (nor because of the guard's marks).
+* a configuration fcp cannot compute is refused by ``enable_packed_cp``, before any change;
+* a compiled mixer does not recompile across packings (nor because of the guard's marks);
+* the RoPE tables are transformers' own, for every rope type fcp accepts.
 """
 
 from __future__ import annotations
@@ -137,3 +139,47 @@ def test_a_compiled_mixer_does_not_recompile_across_packings(family):
             model(input_ids=local["input_ids"], cp_context=ctx)
             counts.append(counter.frame_count)
     assert counts == [kinds] * 4, counts
+
+
+def test_an_unsupported_configuration_is_refused_before_any_change():
+    model = build("qwen3_next", QWEN3_NEXT_TINY)
+    model.layers[2].linear_attn.activation = "gelu"
+    with pytest.raises(NotImplementedError, match="SiLU.*'gelu'"):
+        enable_packed_cp(model)
+    assert not any(isinstance(m, FcpMixer) for m in model.modules())
+    model = build("qwen3_next", dict(QWEN3_NEXT_TINY, rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25}))  # fmt: skip
+    with pytest.raises(NotImplementedError, match="'dynamic'"):
+        enable_packed_cp(model)
+    assert not any(isinstance(m, FcpMixer) for m in model.modules())
+
+
+SCALED_ROPE = {"default": {}, "linear": {"factor": 2.0},
+               "yarn": {"factor": 4.0, "original_max_position_embeddings": 128},
+               "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64}}  # fmt: skip
+
+
+@pytest.mark.parametrize("rope_type", sorted(SCALED_ROPE))
+def test_rope_tables_are_transformers_own(rope_type):
+    """:func:`~fcp.integrations.hf.rope.rope_tables` from a config equals transformers' rotary
+    module of that config bitwise (frequencies and attention scaling), partial rotary included;
+    and traced inside a fullgraph compile."""
+    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding
+
+    from fcp.integrations.hf.rope import rope_tables
+
+    rope = {"rope_type": rope_type, "rope_theta": 1000.0, "partial_rotary_factor": 0.5,
+            **SCALED_ROPE[rope_type]}  # fmt: skip
+    config = Qwen3NextConfig(hidden_size=32, num_attention_heads=2, head_dim=16,
+                             max_position_embeddings=512, rope_parameters=rope)  # fmt: skip
+    positions = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(0))
+    x = torch.zeros(2, 7, 4, dtype=torch.bfloat16)
+    want = Qwen3NextRotaryEmbedding(config)(x, positions)
+    got = rope_tables(config, positions, x.dtype)
+    assert got[0].shape == (2, 7, 8) and all(torch.equal(g, w) for g, w in zip(got, want))
+    torch._dynamo.reset()
+    compiled = torch.compile(rope_tables, fullgraph=True, backend="aot_eager", dynamic=False)
+    assert all(torch.equal(g, w) for g, w in zip(compiled(config, positions, x.dtype), want))
