@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fcp
-from fcp.integrations.hf import PackedGlm5Attention, PackedGlm5LinearAttention, enable_packed_cp
+from fcp.integrations.hf import IndexedMlaMixer, KdaMixer, enable_packed_cp
 from tests import _hf_rank_fns as fns
 from tests.support.hf_reference import GLM5_TINY, build, per_document
 
@@ -97,7 +97,10 @@ def test_replacement_keeps_parameters_and_keys():
     assert list(model.state_dict()) == keys
     assert all(p is params[n] for n, p in model.named_parameters())  # optimizers stay valid
     kinds = [type(layer.self_attn) for layer in model.layers]
-    assert kinds == [PackedGlm5LinearAttention] * 3 + [PackedGlm5Attention]
+    assert [k.__name__ for k in kinds] == (["PackedGlm5NextTextLinearAttention"] * 3
+                                           + ["PackedGlm5NextTextAttention"])  # fmt: skip
+    assert [k.__bases__[0] for k in kinds] == [KdaMixer] * 3 + [IndexedMlaMixer]
+    assert len(set(kinds)) == 2  # one class per kind: a compiled mixer is not recompiled per layer
     assert enable_packed_cp(model) is model  # idempotent
     with pytest.raises(ValueError, match="no supported token mixer"):
         enable_packed_cp(torch.nn.Linear(2, 2))

@@ -23,13 +23,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fcp
-from fcp.integrations.hf import (
-    PackedKimiAttention,
-    PackedKimiDeltaAttention,
-    PackedQwen3NextAttention,
-    PackedQwen3NextGatedDeltaNet,
-    enable_packed_cp,
-)
+from fcp.integrations.hf import KdaMixer, MlaMixer, SUPPORTED, enable_packed_cp
 from tests import _hf_rank_fns as fns
 from tests.support.hf_reference import KIMI_TINY, QWEN3_NEXT_TINY, build, per_document_jobs
 
@@ -108,25 +102,49 @@ def test_replacement_keeps_parameters_and_keys(family):
     keys = list(model.state_dict())
     params = dict(model.named_parameters())
     buffers = [n for n, _ in model.named_buffers()]
+
+    def mixers():
+        return [getattr(layer, "linear_attn", None) or layer.self_attn for layer in model.layers]
+
+    originals = [type(m) for m in mixers()]
     assert enable_packed_cp(model) is model
     assert list(model.state_dict()) == keys
-    assert [n for n, _ in model.named_buffers()] == buffers  # the borrowed rotary is not a child
+    assert [n for n, _ in model.named_buffers()] == buffers  # RoPE adds no buffer
     assert all(p is params[n] for n, p in model.named_parameters())  # optimizers stay valid
-    mixers = [type(getattr(layer, "linear_attn", None) or layer.self_attn)
-              for layer in model.layers]  # fmt: skip
+    kinds = [type(m) for m in mixers()]
+    assert [k.__name__ for k in kinds] == [f"Packed{c.__name__}" for c in originals]
+    assert [k.__bases__ for k in kinds] == [(SUPPORTED[c.__name__], c) for c in originals]
     if family == "kimi_linear":
-        assert mixers == [PackedKimiDeltaAttention, PackedKimiAttention, PackedKimiDeltaAttention]
-    else:
-        assert mixers == [PackedQwen3NextGatedDeltaNet, PackedQwen3NextAttention,
-                          PackedQwen3NextGatedDeltaNet]  # fmt: skip
-        assert model.layers[1].self_attn.fcp_rotary is model.rotary_emb
+        assert [k.__bases__[0] for k in kinds] == [KdaMixer, MlaMixer, KdaMixer]
+    assert kinds[0] is kinds[2]  # one class per kind
     assert enable_packed_cp(model) is model  # idempotent
+    assert [type(m) for m in mixers()] == kinds
 
 
-def test_rope_layer_needs_its_models_rotary_embedding():
+def test_attention_alone_takes_its_positions_from_the_context(references):
+    """Qwen3-Next's attention enabled on its own (no enclosing model, no rotary module): on packed
+    documents it equals transformers' code on each document alone, given the model's rotary
+    tables at positions ``0 .. n-1``: RoPE comes from the layer's config at document-local
+    positions."""
     model = build("qwen3_next", QWEN3_NEXT_TINY)
-    with pytest.raises(ValueError, match="rotary_emb"):
-        enable_packed_cp(model.layers[1])
+    model.load_state_dict(references["qwen3_next"]["state"])
+    attn = enable_packed_cp(model.layers[1].self_attn)
+    rows = [[13, 5, 8], [22]]
+    x = torch.randn(2, 30, HIDDEN, generator=torch.Generator().manual_seed(1))
+    seq_lens = torch.tensor([[13, 5, 8], [22, -1000, -1000]])
+    ctx = fcp.PackedContext(fcp.doc_ids_from_seq_lens(seq_lens, 30))
+    with torch.no_grad():
+        got = attn(x, position_embeddings=None, attention_mask=None, cp_context=ctx)[0]
+        for r, row in enumerate(rows):
+            start = 0
+            for n in row:
+                doc = x[r : r + 1, start : start + n]
+                rope = model.rotary_emb(doc, torch.arange(n)[None])
+                causal = torch.full((n, n), float("-inf")).triu(1)[None, None]
+                want = attn(doc, position_embeddings=rope, attention_mask=causal)[0]
+                torch.testing.assert_close(got[r : r + 1, start : start + n], want,
+                                           atol=1e-5, rtol=1e-5)  # fmt: skip
+                start += n
 
 
 @pytest.mark.parametrize("family", FAMILIES)

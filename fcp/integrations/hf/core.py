@@ -1,0 +1,182 @@
+"""How a transformers token mixer becomes an fcp mixer, and the guard that keeps it on the CP path.
+
+**Replacement by class swap** (the mechanism of FSDP2's ``fully_shard``). :func:`replace` keeps
+the module object and sets its class to ``Packed<HFClass>``, a subclass of the mixer's fcp class
+(an *adapter*, see :mod:`fcp.integrations.hf.mixers`) and of the transformers class::
+
+    Packed<HFClass>  ->  adapter -> mixer kind -> FcpMixer  ->  HFClass -> nn.Module
+
+Nothing is copied and nothing falls through: the module keeps its own parameters, buffers,
+submodules and attributes (the same objects, so optimizers, state-dict keys, checkpoints and
+FSDP2 stay valid), and every transformers method comes by ordinary inheritance.
+:meth:`FcpMixer.forward` given a ``cp_context`` runs the fcp path (``fcp_forward``); without
+one it calls ``super().forward``, transformers' own code. One class is made per (adapter,
+transformers class) and reused (:func:`packed_class`), so all layers of a kind share one type and
+a compiled mixer is not recompiled per layer.
+
+The class adds methods only (``forward``, ``__call__``, ``__reduce_ex__`` and names starting
+with ``fcp_``); the instance gains one attribute, ``fcp_expected_by`` (below).
+
+**The guard** (:class:`ContextScope`). If a decoder layer stops forwarding ``cp_context``
+through its ``**kwargs``, its mixer would silently run transformers' non-CP code on a packed
+(and, under CP, sharded) batch. :func:`enable_packed_cp <fcp.integrations.hf.enable_packed_cp>`
+therefore registers on the model it is given, and on every ``PreTrainedModel`` inside it that
+holds replaced mixers, a forward pre-hook and an always-called forward hook. While a forward
+given a ``cp_context`` runs, every replaced mixer of that model holds its qualified name in
+``fcp_expected_by`` (a stack, so nested models and exceptions leave it as it was), and a mixer
+called without a context meanwhile raises a ``ValueError`` naming itself and its decoder layer.
+The same pre-hook rejects a KV cache: ``use_cache=True`` or a ``cache`` / ``past_key_values``
+together with a ``cp_context`` raise (fcp runs full packed sequences; an omitted ``use_cache``
+becomes ``False``).
+
+The check runs in :meth:`FcpMixer.__call__`, outside a mixer compiled with
+``mixer.compile(...)`` (which compiles ``_call_impl``), and reads the mark only when no context
+was given: a compiled mixer never guards on it and does not recompile when it changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from torch import nn
+
+from fcp.context import PackedContext, check_context
+
+__all__ = ["ContextScope", "FcpMixer", "packed_class", "replace"]
+
+
+class FcpMixer(nn.Module):
+    """Base of every fcp mixer class. Never instantiated: :func:`replace` swaps a transformers
+    module's class to ``packed_class(adapter, type(module))``.
+
+    A mixer kind subclasses it and defines ``fcp_forward(hidden_states, ctx, **kwargs)``: the
+    packed-document, contiguous-CP computation, returning what the transformers ``forward``
+    returns (a tensor, or a tuple). ``fcp_check(module)`` (a classmethod) rejects, before the
+    swap, a configuration the kind cannot compute.
+    """
+
+    #: Qualified names (one per enclosing forward given a ``cp_context``) under which this mixer
+    #: is expected to receive one; empty outside such forwards. The only instance attribute fcp
+    #: adds (set by :func:`replace`, pushed and popped by :class:`ContextScope`).
+    fcp_expected_by: tuple[str, ...] = ()
+
+    @classmethod
+    def fcp_check(cls, module: nn.Module) -> None:
+        """Raise ``NotImplementedError`` if ``module``'s configuration is outside this mixer."""
+
+    def fcp_forward(self, hidden_states, ctx: PackedContext, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} defines no fcp_forward")
+
+    def __call__(self, *args, **kwargs):
+        if kwargs.get("cp_context") is None and self.fcp_expected_by:
+            name = self.fcp_expected_by[0] or type(self).__name__  # "": the model enabled itself
+            layer = name.rpartition(".")[0] or "its caller"
+            raise ValueError(
+                f"{name} ({type(self).__name__}) was called without `cp_context` inside a "
+                f"forward that was given one: its decoder layer ({layer}) did not forward "
+                "`cp_context` (transformers passes it down through `**kwargs`), and running "
+                "the mixer would silently take the non-CP path"
+            )
+        return super().__call__(*args, **kwargs)
+
+    def forward(self, *args, cp_context=None, **kwargs):
+        if cp_context is None:
+            return super().forward(*args, **kwargs)  # transformers' own code, untouched
+        fn = f"{type(self).__name__}.forward"
+        check_context(cp_context, fn=fn, name="cp_context")
+        _check_no_cache(kwargs, fn)
+        if not args:
+            args = (kwargs.pop("hidden_states"),)
+        if len(args) > 1:
+            raise TypeError(f"{fn}: with cp_context, pass everything but hidden_states by keyword")
+        return self.fcp_forward(args[0], cp_context, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # a class made at run time cannot be pickled by name: pickle (and deepcopy) rebuild it
+        # from its two bases, which can
+        adapter, hf_class = type(self).__bases__
+        return (_new_packed, (adapter, hf_class), self.__getstate__())
+
+
+@functools.cache
+def packed_class(adapter: type[FcpMixer], hf_class: type[nn.Module]) -> type[nn.Module]:
+    """The class ``Packed<HFClass>`` with bases ``(adapter, hf_class)``, made once per pair."""
+    name = f"Packed{hf_class.__name__}"
+    doc = f"transformers' ``{hf_class.__name__}`` on fcp (:class:`{adapter.__qualname__}`)."
+    return type(name, (adapter, hf_class), {"__doc__": doc, "__module__": adapter.__module__})
+
+
+def _new_packed(adapter: type[FcpMixer], hf_class: type[nn.Module]) -> nn.Module:
+    cls = packed_class(adapter, hf_class)
+    return cls.__new__(cls)
+
+
+def _cache_argument(kwargs: dict) -> str | None:
+    """The KV-cache argument among ``kwargs`` (``use_cache=True``, a cache object), if any."""
+    if kwargs.get("use_cache"):
+        return "use_cache=True"
+    for name in ("cache", "past_key_values"):
+        if kwargs.get(name) is not None:
+            return name
+    return None
+
+
+def _check_no_cache(kwargs: dict, fn: str) -> None:
+    found = _cache_argument(kwargs)
+    if found is not None:
+        raise ValueError(f"{fn}: fcp runs without a KV cache (full packed sequences); got "
+                         f"{found} with cp_context (pass use_cache=False)")  # fmt: skip
+
+
+def replace(module: nn.Module, adapter: type[FcpMixer]) -> None:
+    """Turn ``module`` (a transformers mixer that passed ``adapter.fcp_check``) into an fcp mixer
+    in place (see the module doc)."""
+    module.__class__ = packed_class(adapter, type(module))
+    module.fcp_expected_by = ()
+
+
+class ContextScope:
+    """The guard of one model: its forward pre-hook :meth:`enter` and always-called forward hook
+    :meth:`exit` mark ``mixers`` (``(qualified name, mixer)`` pairs) as expecting a context while
+    a forward given a ``cp_context`` runs (see the module doc).
+
+    ``default_no_cache``: the model's ``forward`` takes ``use_cache``, which then defaults to
+    ``False`` under a context (transformers' ``config.use_cache`` would build a cache).
+    """
+
+    def __init__(self, mixers: list[tuple[str, FcpMixer]], default_no_cache: bool):
+        self.mixers = mixers
+        self.default_no_cache = default_no_cache
+
+    @staticmethod
+    def register(model: nn.Module, mixers: list[tuple[str, FcpMixer]]) -> None:
+        """Register ``model``'s scope, or update the mixers of the one it has (idempotent)."""
+        for hook in model._forward_pre_hooks.values():
+            if isinstance(getattr(hook, "__self__", None), ContextScope):
+                hook.__self__.mixers = mixers
+                return
+        params = inspect.signature(model.forward).parameters
+        scope = ContextScope(mixers, "use_cache" in params)
+        model.register_forward_pre_hook(scope.enter, with_kwargs=True)
+        model.register_forward_hook(scope.exit, with_kwargs=True, always_call=True)
+
+    def enter(self, model: nn.Module, args: tuple, kwargs: dict):
+        ctx = kwargs.get("cp_context")
+        if ctx is None:
+            return None
+        fn = f"{type(model).__name__}.forward"
+        check_context(ctx, fn=fn, name="cp_context")
+        _check_no_cache(kwargs, fn)
+        if self.default_no_cache and "use_cache" not in kwargs:
+            kwargs = dict(kwargs, use_cache=False)
+        for name, mixer in self.mixers:
+            mixer.fcp_expected_by = (*mixer.fcp_expected_by, name)
+        return args, kwargs
+
+    def exit(self, model: nn.Module, args: tuple, kwargs: dict, output):
+        # an enter that raised marked nothing, and sees the same kwargs here
+        if isinstance(kwargs.get("cp_context"), PackedContext) and _cache_argument(kwargs) is None:
+            for _, mixer in self.mixers:
+                mixer.fcp_expected_by = mixer.fcp_expected_by[:-1]
+        return None

@@ -1,0 +1,17 @@
+"""fcp mixer kinds: one module per kind of token mixer, each an
+:class:`~fcp.integrations.hf.core.FcpMixer` whose ``fcp_forward`` is the packed-document,
+contiguous-CP computation, written as a few overridable steps (``fcp_*`` methods) that a model's
+adapter (:mod:`fcp.integrations.hf.models`) fills in or changes.
+
+* :class:`KdaMixer` (:mod:`.kda`): short conv + Kimi Delta Attention + gated norm.
+* :class:`GatedDeltaNetMixer` (:mod:`.gdn`): short conv + Gated DeltaNet + SiLU-gated norm.
+* :class:`MlaMixer`, :class:`IndexedMlaMixer` (:mod:`.mla`): full and k-pool DSA indexed MLA.
+* :class:`GqaMixer` (:mod:`.gqa`): grouped-query attention, RoPE at document-local positions.
+"""
+
+from fcp.integrations.hf.mixers.gdn import GatedDeltaNetMixer
+from fcp.integrations.hf.mixers.gqa import GqaMixer
+from fcp.integrations.hf.mixers.kda import KdaMixer
+from fcp.integrations.hf.mixers.mla import IndexedMlaMixer, MlaMixer
+
+__all__ = ["GatedDeltaNetMixer", "GqaMixer", "IndexedMlaMixer", "KdaMixer", "MlaMixer"]

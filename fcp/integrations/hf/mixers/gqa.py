@@ -1,0 +1,62 @@
+"""Grouped-query softmax attention (Qwen3-Next's gated ``Qwen3NextAttention``; later Qwen3.5,
+OLMo-Hybrid, LFM2, the Mamba2 hybrids' attention layers) on fcp's operators.
+
+``fcp_forward(hidden_states [B, L, D], ctx) -> (out [B, L, D], None)``::
+
+    q, k, v, gate = fcp_qkv(x)        # [B, L, H, Dh], [B, L, Hkv, Dh] x 2, [B, L, H * Dh] or None
+    q, k = fcp_rotate(q, k, ctx)      # RoPE at document-local positions (fcp.integrations.hf.rope)
+    o = fcp_attend(q, k, v, x, ctx)   # causal within each document, scale self.scaling
+    out = fcp_output(o, gate)         # o * sigmoid(gate) if gated, then o_proj
+
+``fcp_qkv`` is the adapter's (projection names, per-head or full-width q/k norms, a fused output
+gate). ``fcp_rotate`` computes the tables from the mixer's own ``config`` (partial rotary: the
+first ``int(head_dim * partial_rotary_factor)`` channels); a NoPE model (Nemotron-H, OLMo-Hybrid
+without ``rope_parameters``) returns ``q, k``. ``fcp_attend`` is
+:func:`fcp.ops.doc_causal.doc_causal_attention` (under CP: an all-gather of K/V); a sparse
+attention (Qwen4-Exp's QSA selection) overrides it. The ``position_embeddings`` transformers
+passes (computed at row positions) are ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcp.context import PackedContext
+from fcp.integrations.hf.core import FcpMixer
+from fcp.integrations.hf.rope import apply_rope, rope_frequencies, rope_tables
+from fcp.ops.doc_causal import doc_causal_attention
+
+__all__ = ["GqaMixer"]
+
+
+class GqaMixer(FcpMixer):
+    """Causal GQA attention with RoPE at document-local positions (module doc); an adapter
+    defines :meth:`fcp_qkv`."""
+
+    @classmethod
+    def fcp_check(cls, module) -> None:
+        rope_frequencies(module.config)  # a rope type fcp cannot apply raises here, not mid-step
+
+    def fcp_qkv(self, x: torch.Tensor):
+        """``(q [B, L, H, Dh], k [B, L, Hkv, Dh], v [B, L, Hkv, Dh], gate [B, L, H * Dh] | None)``,
+        q and k normalised as the model does."""
+        raise NotImplementedError(f"{type(self).__name__}: the adapter defines fcp_qkv")
+
+    def fcp_rotate(self, q: torch.Tensor, k: torch.Tensor, ctx: PackedContext):
+        cos, sin = rope_tables(self.config, ctx.local_position_ids, q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def fcp_attend(self, q, k, v, x: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        """``[B, L, H, Dh]``: softmax attention to the earlier tokens of each query's document."""
+        return doc_causal_attention(q, k, v, ctx, scale=self.scaling)
+
+    def fcp_output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+    def fcp_forward(self, hidden_states: torch.Tensor, ctx: PackedContext, **_):
+        q, k, v, gate = self.fcp_qkv(hidden_states)
+        q, k = self.fcp_rotate(q, k, ctx)
+        o = self.fcp_attend(q, k, v, hidden_states, ctx)
+        return self.fcp_output(o.flatten(2), gate), None
