@@ -7,7 +7,7 @@ import torch
 
 import fcp
 from fcp.integrations.hf import enable_packed_cp
-from tests.support.hf_reference import build
+from tests.support.hf_reference import build, per_document_jobs
 
 
 def pack(reference: dict, rows: list[list[int]], seq: int):
@@ -74,6 +74,31 @@ def packed_forward_backward(env, family, config, state_dict, batch, cotangent):
     (out * cot).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.detach(), grads, ctx.interval
+
+
+def references(configs: dict, lengths: list[int], hidden: int, seed: int) -> dict:
+    """``{family: reference}`` for ``configs`` (``{family: config}``): one pool of random
+    documents of ``lengths`` and cotangents ``[n, hidden]`` shared by all families, each
+    family's initial state dict, and transformers' per-document outputs and gradients
+    (:func:`~tests.support.hf_reference.per_document_jobs`, one subprocess for all)."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(1, 128, (n,), generator=gen) for n in lengths]
+    cots = [torch.randn(n, hidden, generator=gen) for n in lengths]
+    states = {f: {k: v.clone() for k, v in build(f, c).state_dict().items()}
+              for f, c in configs.items()}  # fmt: skip
+    refs = per_document_jobs([dict(family=f, config=c, state_dict=states[f], documents=docs,
+                                   cotangents=cots) for f, c in configs.items()])  # fmt: skip
+    return {f: dict(state=states[f], docs=docs, cots=cots, **r) for f, r in zip(configs, refs)}
+
+
+def run(rank_pool, reference: dict, family: str, config: dict, world: int, rows, seq: int,
+        timeout: float) -> list:  # fmt: skip
+    """Every rank's :func:`packed_forward_backward` for the packing ``rows`` of ``reference``'s
+    documents (``world == 1``: in this process)."""
+    args = (family, config, reference["state"], *pack(reference, rows, seq))
+    if world == 1:
+        return [packed_forward_backward(None, *args)]
+    return rank_pool.run(packed_forward_backward, world, *args, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from hypothesis import given, settings, strategies as st
 import fcp
 from fcp.integrations.hf import KdaMixer, MlaMixer, SUPPORTED, enable_packed_cp
 from tests import _hf_rank_fns as fns
-from tests.support.hf_reference import KIMI_TINY, QWEN3_NEXT_TINY, build, per_document_jobs
+from tests.support.hf_reference import KIMI_TINY, QWEN3_NEXT_TINY, build
 
 CONFIGS = {"kimi_linear": KIMI_TINY, "qwen3_next": QWEN3_NEXT_TINY}
 FAMILIES = sorted(CONFIGS)
@@ -37,22 +37,12 @@ POOL_TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def references():
-    gen = torch.Generator().manual_seed(5)
-    docs = [torch.randint(1, 128, (n,), generator=gen) for n in LENGTHS]
-    cots = [torch.randn(n, HIDDEN, generator=gen) for n in LENGTHS]
-    states = {f: {k: v.clone() for k, v in build(f, CONFIGS[f]).state_dict().items()}
-              for f in FAMILIES}  # fmt: skip
-    refs = per_document_jobs([dict(family=f, config=CONFIGS[f], state_dict=states[f],
-                                   documents=docs, cotangents=cots) for f in FAMILIES])  # fmt: skip
-    return {f: dict(state=states[f], docs=docs, cots=cots, **r) for f, r in zip(FAMILIES, refs)}
+    return fns.references(CONFIGS, LENGTHS, HIDDEN, seed=5)
 
 
 def run(rank_pool, reference, family, world, rows, seq):
-    batch, cot = fns.pack(reference, rows, seq)
-    args = (family, CONFIGS[family], reference["state"], batch, cot)
-    if world == 1:
-        return [fns.packed_forward_backward(None, *args)]
-    return rank_pool.run(fns.packed_forward_backward, world, *args, timeout=POOL_TIMEOUT_S)
+    return fns.run(rank_pool, reference, family, CONFIGS[family], world, rows, seq,
+                   POOL_TIMEOUT_S)  # fmt: skip
 
 
 @st.composite
