@@ -1,7 +1,9 @@
 """transformers' own models run on each document alone: the oracle of fcp's integrations.
 
 Families (:func:`build`): ``"glm5_next"`` (GLM-5.3-Flash), ``"kimi_linear"`` (Kimi-Linear),
-``"qwen3_next"`` (Qwen3-Next), each with a tiny configuration below.
+``"qwen3_next"`` (Qwen3-Next), ``"qwen3_5"`` / ``"qwen3_5_moe"`` (Qwen3.5 text models),
+``"olmo_hybrid"`` (OLMo-Hybrid), ``"bailing_hybrid"`` (Bailing-Hybrid / Ling), each with a tiny
+configuration below.
 
 transformers binds its hybrid models' recurrent kernels to FLA's Triton kernels whenever FLA is
 importable, and those fail on a CPU; with FLA blocked (``sys.modules["fla"] = None`` before
@@ -63,6 +65,43 @@ QWEN3_NEXT_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num
                        num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_expert_intermediate_size=16, pad_token_id=0)  # fmt: skip
 
+_GDN_ATTN_GDN = ["linear_attention", "full_attention", "linear_attention"]
+
+#: Tiny Qwen3.5: Qwen3-Next's shapes with separate GDN projections; mRoPE text positions (rotary
+#: dim 8: 4 frequencies split over the three axes by mrope_section).
+QWEN3_5_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                    layer_types=_GDN_ATTN_GDN, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                    pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.5,
+                                                     "mrope_section": [2, 1, 1]})  # fmt: skip
+
+#: Tiny Qwen3.5-MoE: the same mixers, a sparse MoE (4 experts, top 2, shared expert) per layer.
+QWEN3_5_MOE_TINY = dict({k: v for k, v in QWEN3_5_TINY.items() if k != "intermediate_size"},
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16)  # fmt: skip
+
+#: Tiny OLMo-Hybrid: GDN (2 key heads, 4 value heads, beta scaled by 2), attention with q/k norm
+#: over all heads and RoPE (head_dim 8), post-norm decoder layers.
+OLMO_HYBRID_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                        layer_types=_GDN_ATTN_GDN, num_attention_heads=4, num_key_value_heads=2,
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                        linear_value_head_dim=8, linear_conv_kernel_dim=4, pad_token_id=0,
+                        eos_token_id=2, rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 10000.0})  # fmt: skip
+
+#: Tiny Bailing-Hybrid: KDA (2 heads of 8), MLA with query LoRA 16, kv latent 16, interleaved RoPE
+#: on 4 channels per head and a per-head output gate, MoE (4 experts, top 2, shared expert).
+BAILING_HYBRID_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64,
+                           moe_intermediate_size=16, num_hidden_layers=3,
+                           layer_types=_GDN_ATTN_GDN, mlp_layer_types=["dense", "sparse", "dense"],
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                           q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                           qk_rope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_tok=2,
+                           n_group=1, topk_group=1, n_shared_experts=1, short_conv_kernel_size=4,
+                           rope_theta=10000.0, pad_token_id=0, eos_token_id=2)  # fmt: skip
+
 #: Parameters whose default initialisation makes terms of the formulas vanish (all-ones gates,
 #: zero positional terms, zero-centred norms): the tests perturb them so every term matters.
 _PERTURB = ("index_kpool_compress", "k_norm", "A_log", "dt_bias", "o_norm", "layernorm",
@@ -71,6 +110,10 @@ _PERTURB_BY_FAMILY = {
     "glm5_next": _PERTURB,
     "kimi_linear": ("A_log", "dt_bias", "o_norm", "layernorm", "conv1d"),
     "qwen3_next": ("A_log", "dt_bias", "norm", "conv1d"),
+    "qwen3_5": ("A_log", "dt_bias", "norm", "conv1d"),
+    "qwen3_5_moe": ("A_log", "dt_bias", "norm", "conv1d"),
+    "olmo_hybrid": ("A_log", "dt_bias", "norm", "conv1d"),
+    "bailing_hybrid": ("A_log", "dt_bias", "norm", "layernorm", "conv1d"),
 }
 
 
@@ -90,12 +133,34 @@ def _model_class(family: str):
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextModel
 
         return Qwen3NextConfig, Qwen3NextModel
+    if family == "qwen3_5":
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
+
+        return Qwen3_5TextConfig, Qwen3_5TextModel
+    if family == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel
+
+        return Qwen3_5MoeTextConfig, Qwen3_5MoeTextModel
+    if family == "olmo_hybrid":
+        from transformers.models.olmo_hybrid.configuration_olmo_hybrid import OlmoHybridConfig
+        from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridModel
+
+        return OlmoHybridConfig, OlmoHybridModel
+    if family == "bailing_hybrid":
+        from transformers.models.bailing_hybrid.configuration_bailing_hybrid import (
+            BailingHybridConfig,
+        )
+        from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridModel
+
+        return BailingHybridConfig, BailingHybridModel
     raise ValueError(f"unknown family {family!r}")
 
 
 def build(family: str, config: dict, seed: int = 0):
-    """A randomly initialised fp32 backbone of ``family`` (``"glm5_next"``, ``"kimi_linear"``,
-    ``"qwen3_next"``), eval mode, eager attention."""
+    """A randomly initialised fp32 backbone of ``family`` (one of the module doc's), eval mode,
+    eager attention."""
     config_class, model_class = _model_class(family)
     torch.manual_seed(seed)
     cfg = config_class(**config)

@@ -32,6 +32,17 @@ Supported mixers (:data:`SUPPORTED`; the adapters in :mod:`.models`, the kinds i
   ``Qwen3NextAttention`` (gated GQA, q/k RMSNorm, partial RoPE at **document-local** positions
   computed from the layer's own config, :mod:`.rope`): all-gathers K/V (``2 * kv_heads *
   head_dim`` per token, K already rotated).
+* Qwen3.5 (``qwen3_5``) and Qwen3.5-MoE (``qwen3_5_moe``): ``Qwen3_5(Moe)GatedDeltaNet`` (Gated
+  DeltaNet, separate projections) and ``Qwen3_5(Moe)Attention`` (Qwen3-Next's attention code; its
+  mRoPE text positions are 1-D RoPE at document-local positions): as Qwen3-Next.
+* OLMo-Hybrid (``olmo_hybrid``): ``OlmoHybridGatedDeltaNet`` (``beta = 2 sigmoid(b)``) and
+  ``OlmoHybridAttention`` (q/k norm over all heads, RoPE or NoPE): as Qwen3-Next.
+* Bailing-Hybrid / Ling (``bailing_hybrid``): ``BailingHybridDeltaAttention`` (KDA) and
+  ``BailingHybridAttention`` (MLA, interleaved RoPE on ``qk_rope_head_dim`` channels, per-head
+  output gate): all-gathers its expanded K/V, as Kimi-Linear.
+
+Qwen3.5's vision-language wrappers hold the same text model: text runs on fcp, and image or
+video inputs given with a ``cp_context`` raise a ``ValueError`` (not supported yet).
 
 transformers binds these models' recurrent kernels to FLA's Triton kernels whenever FLA is
 importable (they fail on a CPU); given a ``cp_context`` the mixers never take that path: they run
@@ -71,8 +82,9 @@ def enable_packed_cp(model: nn.Module) -> nn.Module:
     """Replace ``model``'s supported token mixers (:data:`SUPPORTED`) in place; return ``model``.
 
     ``model`` is a transformers model or any module containing one (e.g. a
-    ``Glm5NextForConditionalGeneration``, ``KimiLinearForCausalLM``, ``Qwen3NextForCausalLM``, or
-    one decoder layer). The mixers stay the same objects (their class is swapped), so
+    ``Glm5NextForConditionalGeneration``, ``KimiLinearForCausalLM``, ``Qwen3NextForCausalLM``,
+    ``Qwen3_5ForConditionalGeneration`` (text inputs only under a ``cp_context``), or one decoder
+    layer). The mixers stay the same objects (their class is swapped), so
     parameters, buffers, their names, optimizers built before the call and checkpoints stay
     valid. Registers the context guard (:class:`~fcp.integrations.hf.core.ContextScope`) on
     ``model`` and on every ``PreTrainedModel`` inside it that holds replaced mixers.

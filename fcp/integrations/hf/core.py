@@ -27,7 +27,10 @@ given a ``cp_context`` runs, every replaced mixer of that model holds its qualif
 called without a context meanwhile raises a ``ValueError`` naming itself and its decoder layer.
 The same pre-hook rejects a KV cache: ``use_cache=True`` or a ``cache`` / ``past_key_values``
 together with a ``cp_context`` raise (fcp runs full packed sequences; an omitted ``use_cache``
-becomes ``False``).
+becomes ``False``). It also rejects image and video inputs (``pixel_values``, ``image_grid_thw``,
+... of Qwen3.5's ``*ForConditionalGeneration``, by keyword or position): transformers would run
+the vision encoder on them, scatter its embeddings into the text and give those tokens 3-D mRoPE
+positions, none of which fcp shards yet; text-only calls of such a wrapper run on fcp.
 
 The check runs in :meth:`FcpMixer.__call__`, outside a mixer compiled with
 ``mixer.compile(...)`` (which compiles ``_call_impl``), and reads the mark only when no context
@@ -129,6 +132,23 @@ def _check_no_cache(kwargs: dict, fn: str) -> None:
                          f"{found} with cp_context (pass use_cache=False)")  # fmt: skip
 
 
+#: Arguments of transformers' vision-language wrappers (Qwen3.5, Qwen-VL) that carry image or
+#: video inputs.
+_MULTIMODAL = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
+               "mm_encoder_outputs")  # fmt: skip
+
+
+def _multimodal_argument(arguments: dict) -> str | None:
+    return next((name for name in _MULTIMODAL if arguments.get(name) is not None), None)
+
+
+def _check_text_only(arguments: dict, fn: str) -> None:
+    found = _multimodal_argument(arguments)
+    if found is not None:
+        raise ValueError(f"{fn}: image and video inputs are not supported with cp_context yet "
+                         f"(got {found}); fcp runs packed text tokens only")  # fmt: skip
+
+
 def replace(module: nn.Module, adapter: type[FcpMixer]) -> None:
     """Turn ``module`` (a transformers mixer that passed ``adapter.fcp_check``) into an fcp mixer
     in place (see the module doc)."""
@@ -143,11 +163,15 @@ class ContextScope:
 
     ``default_no_cache``: the model's ``forward`` takes ``use_cache``, which then defaults to
     ``False`` under a context (transformers' ``config.use_cache`` would build a cache).
+    ``positional``: the names of its positional parameters, to find image inputs passed by
+    position.
     """
 
-    def __init__(self, mixers: list[tuple[str, FcpMixer]], default_no_cache: bool):
+    def __init__(self, mixers: list[tuple[str, FcpMixer]], default_no_cache: bool,
+                 positional: tuple[str, ...]):  # fmt: skip
         self.mixers = mixers
         self.default_no_cache = default_no_cache
+        self.positional = positional
 
     @staticmethod
     def register(model: nn.Module, mixers: list[tuple[str, FcpMixer]]) -> None:
@@ -157,9 +181,15 @@ class ContextScope:
                 hook.__self__.mixers = mixers
                 return
         params = inspect.signature(model.forward).parameters
-        scope = ContextScope(mixers, "use_cache" in params)
+        positional = tuple(n for n, p in params.items()
+                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))  # fmt: skip
+        scope = ContextScope(mixers, "use_cache" in params, positional)
         model.register_forward_pre_hook(scope.enter, with_kwargs=True)
         model.register_forward_hook(scope.exit, with_kwargs=True, always_call=True)
+
+    def arguments(self, args: tuple, kwargs: dict) -> dict:
+        """The forward's arguments by name, positional ones included."""
+        return {**dict(zip(self.positional, args)), **kwargs}
 
     def enter(self, model: nn.Module, args: tuple, kwargs: dict):
         ctx = kwargs.get("cp_context")
@@ -168,6 +198,7 @@ class ContextScope:
         fn = f"{type(model).__name__}.forward"
         check_context(ctx, fn=fn, name="cp_context")
         _check_no_cache(kwargs, fn)
+        _check_text_only(self.arguments(args, kwargs), fn)
         if self.default_no_cache and "use_cache" not in kwargs:
             kwargs = dict(kwargs, use_cache=False)
         for name, mixer in self.mixers:
@@ -175,8 +206,9 @@ class ContextScope:
         return args, kwargs
 
     def exit(self, model: nn.Module, args: tuple, kwargs: dict, output):
-        # an enter that raised marked nothing, and sees the same kwargs here
-        if isinstance(kwargs.get("cp_context"), PackedContext) and _cache_argument(kwargs) is None:
+        # an enter that raised marked nothing, and sees the same arguments here
+        if (isinstance(kwargs.get("cp_context"), PackedContext) and _cache_argument(kwargs) is None
+                and _multimodal_argument(self.arguments(args, kwargs)) is None):  # fmt: skip
             for _, mixer in self.mixers:
                 mixer.fcp_expected_by = mixer.fcp_expected_by[:-1]
         return None

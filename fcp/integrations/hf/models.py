@@ -7,30 +7,28 @@ an **adapter**, a subclass of a kind that overrides the ``fcp_*`` steps where th
 copies anything: its methods run on the transformers module itself (see
 :mod:`fcp.integrations.hf.core`), so ``self.q_proj`` is the model's own projection.
 
-Adding a model is an adapter of a few lines and a row here, e.g. OLMo-Hybrid's Gated DeltaNet
-(separate projections, ``beta`` scaled by 2, its own norm and output names)::
+Adding a model is an adapter of a few lines and a row here (OLMo-Hybrid's Gated DeltaNet below:
+its projections, ``beta = 2 sigmoid(b)``, its norm and output names), plus a per-document parity
+test against transformers (``tests/support/hf_reference.py``). What the adapters here read from
+transformers 5.24 (each checked per document against transformers, ``tests/test_hf_*.py``):
 
-    class OlmoHybridGdn(GatedDeltaNetMixer):
-        def fcp_projections(self, x):
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-            z = self.g_proj(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
-            return qkv, z, self.b_proj(x), self.a_proj(x)
-
-        def fcp_beta(self, b):
-            return 2.0 * b.sigmoid() if self.allow_neg_eigval else b.sigmoid()
-
-        def fcp_output(self, o, z):
-            return self.o_proj(self.o_norm(o.to(z.dtype), z).flatten(2))
-
-    ADAPTERS["OlmoHybridGatedDeltaNet"] = OlmoHybridGdn
-
-plus a per-document parity test against transformers (``tests/support/hf_reference.py``).
+* the Gated DeltaNet layers of Qwen3-Next, Qwen3.5 (and Qwen3.5-MoE: the same layer) and
+  OLMo-Hybrid all run ONE depthwise conv over ``[q | k | v]`` (``conv1d``, no bias, SiLU); they
+  differ in how the conv input, the output gate ``z`` and the ``b`` / ``a`` logits are projected;
+* Qwen3.5's attention is Qwen3-Next's code (gated, per-head q/k norm, partial RoPE); its text
+  positions are mRoPE with three equal axes, i.e. 1-D RoPE (:mod:`.rope`);
+* OLMo-Hybrid's attention normalises q and k over all heads at once, has no output gate, and
+  RoPE only when ``rope_parameters["rope_theta"]`` is set (NoPE otherwise), in fp32 tables;
+* Bailing-Hybrid (Ling) runs KDA with its own forget gate module and a single full-width output
+  gate ``g_proj`` (sigmoid-gated norm), and DeepSeek MLA with interleaved RoPE on the
+  ``qk_rope_head_dim`` channels and a per-head sigmoid output gate ``g_proj``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fcp.context import PackedContext
 from fcp.integrations.hf.core import FcpMixer
 from fcp.integrations.hf.mixers import (
     GatedDeltaNetMixer,
@@ -39,8 +37,23 @@ from fcp.integrations.hf.mixers import (
     KdaMixer,
     MlaMixer,
 )
+from fcp.integrations.hf.rope import (
+    apply_rope,
+    apply_rope_interleaved,
+    rope_frequencies,
+    rope_tables,
+)
 
-__all__ = ["ADAPTERS", "Qwen3NextAttentionAdapter", "Qwen3NextGdnAdapter"]
+__all__ = [
+    "ADAPTERS",
+    "BailingHybridKdaAdapter",
+    "BailingHybridMlaAdapter",
+    "OlmoHybridAttentionAdapter",
+    "OlmoHybridGdnAdapter",
+    "Qwen3NextAttentionAdapter",
+    "Qwen3NextGdnAdapter",
+    "Qwen3_5GdnAdapter",
+]
 
 
 class Qwen3NextGdnAdapter(GatedDeltaNetMixer):
@@ -71,6 +84,93 @@ class Qwen3NextAttentionAdapter(GqaMixer):
         return self.q_norm(q), k, self.v_proj(x).view(b, n, -1, d), gate.reshape(b, n, -1)
 
 
+class Qwen3_5GdnAdapter(GatedDeltaNetMixer):
+    """Qwen3.5's (and Qwen3.5-MoE's) separate projections: ``in_proj_qkv`` is the conv input
+    ``[q | k | v]`` as it is, ``in_proj_z`` the output gate, ``in_proj_b`` / ``in_proj_a`` the
+    beta and decay logits."""
+
+    def fcp_projections(self, x: torch.Tensor):
+        z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+
+
+class OlmoHybridGdnAdapter(GatedDeltaNetMixer):
+    """OLMo-Hybrid: ``q_proj`` / ``k_proj`` / ``v_proj`` concatenated into the conv input,
+    ``g_proj`` the output gate, ``b_proj`` / ``a_proj`` the logits; ``beta = 2 sigmoid(b)`` when
+    ``allow_neg_eigval`` (the transition may have negative eigenvalues); its gated norm and output
+    projection are ``o_norm`` / ``o_proj``."""
+
+    def fcp_projections(self, x: torch.Tensor):
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        z = self.g_proj(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        return qkv, z, self.b_proj(x), self.a_proj(x)
+
+    def fcp_beta(self, b: torch.Tensor) -> torch.Tensor:
+        beta = b.sigmoid()
+        return beta * 2.0 if self.allow_neg_eigval else beta
+
+    def fcp_output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.o_norm(o.to(z.dtype), z).flatten(2))
+
+
+class OlmoHybridAttentionAdapter(GqaMixer):
+    """OLMo-Hybrid's attention: ``q_norm`` / ``k_norm`` over all heads of ``q_proj`` /
+    ``k_proj`` (before the head split), no output gate; RoPE (full head dim, fp32 tables, the
+    result cast back) only when the config sets ``rope_theta``: without it, NoPE."""
+
+    @classmethod
+    def fcp_check(cls, module) -> None:
+        if cls.fcp_uses_rope(module.config):
+            super().fcp_check(module)
+
+    @staticmethod
+    def fcp_uses_rope(config) -> bool:
+        return (getattr(config, "rope_parameters", None) or {}).get("rope_theta") is not None
+
+    def fcp_qkv(self, x: torch.Tensor):
+        shape = (*x.shape[:2], -1, self.head_dim)
+        q = self.q_norm(self.q_proj(x)).view(shape)
+        k = self.k_norm(self.k_proj(x)).view(shape)
+        return q, k, self.v_proj(x).view(shape), None
+
+    def fcp_rotate(self, q: torch.Tensor, k: torch.Tensor, ctx: PackedContext):
+        if not self.fcp_uses_rope(self.config):
+            return q, k
+        cos, sin = rope_tables(self.config, ctx.local_position_ids, torch.float32)
+        return apply_rope(q, cos, sin).to(q.dtype), apply_rope(k, cos, sin).to(k.dtype)
+
+
+class BailingHybridKdaAdapter(KdaMixer):
+    """Bailing-Hybrid's KDA: one full-width output gate ``g_proj`` (its ``o_norm`` gates by a
+    sigmoid) in place of the low-rank ``g_a_proj`` / ``g_b_proj``; the forget gate is its own
+    module (``forget_gate``, the kind's default)."""
+
+    def fcp_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gate = self.g_proj(x).unflatten(-1, (-1, self.head_dim))
+        return self.o_proj(self.o_norm(o.to(x.dtype), gate).flatten(2))
+
+
+class BailingHybridMlaAdapter(MlaMixer):
+    """Bailing-Hybrid's MLA: DeepSeek's interleaved RoPE (:func:`apply_rope_interleaved`) on the
+    last ``qk_rope_head_dim`` query channels and the shared ``k_rope`` at document-local positions
+    (tables from the layer's config, whose ``head_dim`` transformers sets to ``qk_rope_head_dim``),
+    and a per-head sigmoid output gate ``g_proj`` before ``o_proj``."""
+
+    @classmethod
+    def fcp_check(cls, module) -> None:
+        rope_frequencies(module.config)
+
+    def fcp_rotate(self, q: torch.Tensor, k_rope: torch.Tensor, ctx: PackedContext):
+        cos, sin = rope_tables(self.config, ctx.local_position_ids, q.dtype)
+        nope = self.qk_nope_head_dim
+        q = torch.cat([q[..., :nope], apply_rope_interleaved(q[..., nope:], cos, sin)], -1)
+        return q, apply_rope_interleaved(k_rope[:, :, None], cos, sin)[:, :, 0]
+
+    def fcp_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.g_proj(x).float()).to(x.dtype)
+        return self.o_proj((o * gate[..., None]).flatten(2))
+
+
 #: transformers class name -> the fcp mixer replacing it (:data:`fcp.integrations.hf.SUPPORTED`).
 ADAPTERS: dict[str, type[FcpMixer]] = {
     # GLM-5.3-Flash (glm5_next)
@@ -82,4 +182,15 @@ ADAPTERS: dict[str, type[FcpMixer]] = {
     # Qwen3-Next (qwen3_next)
     "Qwen3NextGatedDeltaNet": Qwen3NextGdnAdapter,
     "Qwen3NextAttention": Qwen3NextAttentionAdapter,
+    # Qwen3.5 (qwen3_5), Qwen3.5-MoE (qwen3_5_moe): their attention is Qwen3-Next's code
+    "Qwen3_5GatedDeltaNet": Qwen3_5GdnAdapter,
+    "Qwen3_5Attention": Qwen3NextAttentionAdapter,
+    "Qwen3_5MoeGatedDeltaNet": Qwen3_5GdnAdapter,
+    "Qwen3_5MoeAttention": Qwen3NextAttentionAdapter,
+    # OLMo-Hybrid (olmo_hybrid)
+    "OlmoHybridGatedDeltaNet": OlmoHybridGdnAdapter,
+    "OlmoHybridAttention": OlmoHybridAttentionAdapter,
+    # Bailing-Hybrid / Ling (bailing_hybrid)
+    "BailingHybridDeltaAttention": BailingHybridKdaAdapter,
+    "BailingHybridAttention": BailingHybridMlaAdapter,
 }

@@ -11,15 +11,22 @@ model and no new buffer::
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)                      # [B, L, H, D]
 
 ``R = int(head_dim * partial_rotary_factor)``; the last ``D - R`` channels pass through.
-mRoPE (Qwen3.5 / Qwen4-Exp's 3-D text-image positions) interleaves per-axis frequencies; for text
-tokens all three axes carry the same position, so its tables are these (not implemented here).
+:func:`apply_rope_interleaved` is DeepSeek's pairing (channels ``(0, 1), (2, 3), ...``), used by
+Bailing-Hybrid's MLA on its ``qk_rope_head_dim`` channels, with the same tables.
+
+mRoPE (Qwen3.5's 3-D text / height / width positions) takes frequency ``i`` from the position on
+axis 0, 1 or 2 (interleaved by ``mrope_section``). For text tokens all three axes carry the same
+position, so its tables are exactly these 1-D tables at that position: transformers'
+``Qwen3_5TextRotaryEmbedding`` given ``position_ids.expand(3, B, L)`` equals :func:`rope_tables`
+bitwise, fp32 and bf16 (``tests/test_hf_qwen35_olmo_bailing.py``). Image and video tokens, whose
+axes differ, are not supported under a ``cp_context`` (:mod:`.core` raises on their inputs).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_rope", "rope_frequencies", "rope_tables"]
+__all__ = ["apply_rope", "apply_rope_interleaved", "rope_frequencies", "rope_tables"]
 
 #: rope types whose frequencies depend on the sequence seen (transformers' ``dynamic_rope_update``)
 _SEQUENCE_DEPENDENT = ("dynamic", "longrope")
@@ -66,3 +73,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rot, rest = x[..., :r], x[..., r:]
     first, second = rot[..., : r // 2], rot[..., r // 2 :]
     return torch.cat([rot * cos + torch.cat([-second, first], -1) * sin, rest], -1)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's RoPE on all ``R`` channels of ``x [B, L, H, R]``: channel pair ``(2i, 2i + 1)``
+    turns by frequency ``i``, and the result is laid out de-interleaved, ``[even' | odd']`` (as
+    transformers' ``apply_rotary_pos_emb_interleave`` returns it: queries and keys get the same
+    permutation, so their products are those of the interleaved rotation); ``cos``, ``sin``
+    ``[B, L, R]`` from :func:`rope_tables` (each frequency twice: the first half is read)."""
+    r = x.shape[-1]
+    cos, sin = cos[:, :, None, : r // 2], sin[:, :, None, : r // 2]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], -1)

@@ -1,4 +1,4 @@
-"""Gated DeltaNet layers (Qwen3-Next's ``Qwen3NextGatedDeltaNet``; later Qwen3.5, OLMo-Hybrid,
+"""Gated DeltaNet layers (Qwen3-Next's ``Qwen3NextGatedDeltaNet``, Qwen3.5's, OLMo-Hybrid's; later
 Qwen4-Exp) on fcp's operators.
 
 ``fcp_forward(hidden_states [B, L, D], ctx) -> [B, L, D]``::

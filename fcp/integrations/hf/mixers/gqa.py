@@ -1,5 +1,5 @@
-"""Grouped-query softmax attention (Qwen3-Next's gated ``Qwen3NextAttention``; later Qwen3.5,
-OLMo-Hybrid, LFM2, the Mamba2 hybrids' attention layers) on fcp's operators.
+"""Grouped-query softmax attention (Qwen3-Next's gated ``Qwen3NextAttention``, Qwen3.5's,
+OLMo-Hybrid's; later LFM2, the Mamba2 hybrids' attention layers) on fcp's operators.
 
 ``fcp_forward(hidden_states [B, L, D], ctx) -> (out [B, L, D], None)``::
 

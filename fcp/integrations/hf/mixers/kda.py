@@ -1,5 +1,6 @@
 """Kimi Delta Attention layers (GLM-5.3-Flash's ``Glm5NextTextLinearAttention``, Kimi-Linear's
-``KimiLinearDeltaAttention``) on fcp's operators.
+``KimiLinearDeltaAttention``, Bailing-Hybrid's ``BailingHybridDeltaAttention``) on fcp's
+operators.
 
 ``fcp_forward(hidden_states [B, L, D], ctx) -> [B, L, D]``::
 

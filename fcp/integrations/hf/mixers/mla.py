@@ -1,5 +1,6 @@
 """Multi-head latent attention (MLA) on fcp's operators: Kimi-Linear's full NoPE MLA
-(``KimiLinearAttention``) and GLM-5.3-Flash's k-pool DSA indexed MLA (``Glm5NextTextAttention``).
+(``KimiLinearAttention``), Bailing-Hybrid's full MLA with RoPE (``BailingHybridAttention``) and
+GLM-5.3-Flash's k-pool DSA indexed MLA (``Glm5NextTextAttention``).
 
 Both read the DeepSeek attribute names (``q_proj`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``,
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``, ``kv_lora_rank``,
