@@ -180,7 +180,7 @@ class PackedGlm5Attention(_Adopted):
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
         q = self.q_b_proj(q_resid).view(b, n, self.num_heads, self.qk_head_dim)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(hidden_states))  # [B, L, r]
-        latent = all_gather_sequence(latent, ctx)  # [B, S, r]: the smallest thing K/V come from
+        latent = all_gather_sequence(latent, ctx, dtype=torch.float32).to(latent.dtype)  # [B, S, r]
         kv = self.kv_b_proj(latent).view(b, latent.shape[1], self.num_heads, -1)
         k, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         if self.indexer is not None:
