@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fcp
+from fcp.loss import loss_token_count
 from fcp.shard import gather_sequence, shard_batch
 from tests import _shard_rank_fns as fns
 
@@ -45,7 +46,8 @@ def test_thd_rows_get_a_batch_axis_and_embeddings_pad_with_zeros():
     local, ctx = shard_batch(None, batch, pad_multiple=4)
     assert local["inputs_embeds"].shape == (1, 8, 3)
     assert torch.equal(local["inputs_embeds"][0, 5:], torch.zeros(3, 3))
-    assert torch.equal(local["labels"], torch.tensor([[0, 1, 2, 3, 4, -100, -100, -100]]))
+    # the mask's pad tail (tokens 3, 4) trains no more than the CP padding
+    assert torch.equal(local["labels"], torch.tensor([[0, 1, 2, -100, -100, -100, -100, -100]]))
     assert local["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]]
     assert ctx.doc_ids.tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]]  # mask -> one doc + pad tail
 
@@ -161,3 +163,89 @@ def test_top_level_exports():
     for name in ("shard_batch", "gather_sequence", "PackedContext", "all_gather_sequence",
                  "left_halo", "state_chain", "all_gather_backward_anchor", "PAD_DOC_ID"):
         assert hasattr(fcp, name), name
+
+
+# ------------------------------------------------------------------ ranks must agree
+def packed(lengths: list[int], total: int) -> dict:
+    """One packed row of ``total`` tokens: documents of ``lengths``, then a pad tail."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    ids = torch.arange(total)[None] + 1
+    return {"input_ids": ids, "labels": ids.clone(), "cu_seqlens": cu}
+
+
+SHARDERS = ["fcp", "glm", "qwen"]  # fcp.shard_batch and the two seed sharders
+
+
+def _disagree(rank_pool, world, batches, sharder, **kwargs):
+    res = rank_pool.run(fns.shard_own_batch, world, batches, sharder, kwargs, timeout=10)
+    assert all(r[0] == "ValueError" for r in res), res  # no rank returns normally
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sharder", SHARDERS)
+def test_ranks_with_different_maps_all_raise_naming_the_first_difference(rank_pool, sharder,
+                                                                        world):
+    good, bad = packed([10, 22], 32), packed([12, 20], 32)  # the same length, docs cut elsewhere
+    batches = [good] * world
+    batches[world - 1] = bad
+    res = _disagree(rank_pool, world, batches, sharder)
+    assert len({r[1] for r in res}) == 1  # the same message on every rank
+    msg = res[0][1]
+    assert "different document maps" in msg and f"rank {world - 1}'s differs" in msg, msg
+    assert "row 0, token 10 (doc id 1 vs 2" in msg, msg
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sharder", SHARDERS)
+def test_ranks_with_different_lengths_all_raise_naming_them(rank_pool, sharder, world):
+    batches = [packed([10, 22], 32)] * world
+    batches[1] = packed([10, 30], 40)
+    res = _disagree(rank_pool, world, batches, sharder)
+    assert len({r[1] for r in res}) == 1
+    assert "different lengths" in res[0][1] and "rank 1: 1 row(s) x 40 tokens" in res[0][1]
+
+
+@pytest.mark.parametrize("sharder", SHARDERS)
+def test_a_rank_rejecting_its_batch_makes_the_others_raise(rank_pool, sharder):
+    """A batch valid on rank 0 only: rank 1 raises its own error, rank 0 is told, nobody hangs."""
+    bad = dict(packed([10, 22], 32), cu_seqlens=torch.tensor([0, 20, 10, 32]))
+    res = _disagree(rank_pool, 2, [packed([10, 22], 32), bad], sharder)
+    assert "rank(s) [1] rejected their batch" in res[0][1], res
+    assert "rejected" not in res[1][1] and "cu_seqlens" in res[1][1], res
+
+
+def test_agreement_check_can_be_skipped(rank_pool):
+    batches = [packed([10, 22], 32), packed([12, 20], 32)]
+    res = rank_pool.run(fns.shard_own_batch, 2, batches, "fcp", {"check_agreement": False},
+                        timeout=10)  # fmt: skip
+    assert res == [("ok", 32), ("ok", 32)]
+
+
+# ------------------------------------------------------------------ padding never trains
+@pytest.mark.parametrize("world", [2, 4])
+def test_pad_tail_labels_and_loss_mask_are_ignored(rank_pool, world):
+    """44 real tokens in a 48-token row: 44 loss tokens (the pad tail's labels were counted)."""
+    batch = dict(packed([20, 24], 48), loss_mask=torch.ones(1, 48, dtype=torch.long))
+    res = rank_pool.run(fns.local_labels, world, batch, "fcp", timeout=10)
+    labels = torch.cat([r[0] for r in res], 1)
+    loss_mask = torch.cat([r[1] for r in res], 1)
+    assert sum(int(loss_token_count(r[0])) for r in res) == 44
+    assert labels[0, :44].tolist() == list(range(1, 45)) and (labels[0, 44:] == -100).all()
+    assert loss_mask[0].tolist() == [1] * 44 + [0] * (labels.shape[1] - 44)
+
+
+def test_pad_tail_labels_of_seq_lens_rows_are_ignored_unless_asked():
+    ones = torch.ones(2, 5, dtype=torch.long)
+    batch = {"input_ids": ones, "labels": ones, "seq_lens": torch.tensor([[2, 1], [4, -1000]])}
+    assert shard_batch(None, batch)[0]["labels"].tolist() == [[1, 1, 1, -100, -100],
+                                                             [1, 1, 1, 1, -100]]
+    kept = shard_batch(None, batch, ignore_padding=False, pad_multiple=2)[0]["labels"]
+    assert kept.tolist() == [[1] * 5 + [-100], [1] * 5 + [-100]]  # only the CP padding
+
+
+def test_seed_sharders_keep_nemos_labels_on_the_pad_tail(rank_pool):
+    batch = dict(packed([20, 24], 48), loss_mask=torch.ones(1, 48, dtype=torch.long))
+    res = rank_pool.run(fns.local_labels, 2, batch, "glm", timeout=10)
+    assert torch.cat([r[0] for r in res], 1).tolist() == [list(range(1, 49))]
+    assert torch.cat([r[1] for r in res], 1).tolist() == [[1] * 48]

@@ -59,9 +59,13 @@ version) and serves no context whose fields changed since, so assigning a field 
 Copies and pickles start with an empty memo.
 
 Stricter than NeMo (NeMo silently accepts these, or fails later or with another exception; fcp
-raises ``ValueError`` / ``TypeError`` naming the argument and value, before any collective and
-before touching the batch):
+raises ``ValueError`` / ``TypeError`` naming the argument and value, before any collective that
+depends on the batch and before touching the batch):
 
+* ``[ranks]`` CP ranks holding different batches (rows, length or document map), or some of them
+  rejecting theirs: every rank raises ``ValueError`` naming the ranks and what differs, after one
+  all-gather of 6 int64 per rank (:class:`fcp.shard.BatchAgreement`). NeMo runs on with
+  corrupted outputs (same length) or fails inside a collective on some ranks only.
 * ``[non-tensor]`` a list or other non-tensor where a tensor is expected (``seq_lens``,
   ``seq_lens_padded``, ``cu_seqlens``, ``_packed_seq_ids``, ``attention_mask``,
   ``padding_mask``, ``labels``, ``position_ids``, ``loss_mask``, ``doc_ids_row``): NeMo ignores it
@@ -137,7 +141,7 @@ from fcp.layout import doc_ids_from_cu_seqlens as core_doc_ids_from_cu_seqlens
 from fcp.layout import doc_ids_from_seq_lens as core_doc_ids_from_seq_lens
 from fcp.layout import segment_cu_seqlens as core_segment_cu_seqlens
 from fcp.models.compat import MissingBatchKeyError, shard_layout, shard_layout_class
-from fcp.shard import pad_sequence_dim, shard_batch
+from fcp.shard import BatchAgreement, pad_sequence_dim, shard_batch
 
 #: Document id of padding tokens.
 _PAD_DOC_ID = PAD_DOC_ID
@@ -735,45 +739,52 @@ def shard_batch_for_glm5_next_cp(
 
     Raises:
         ValueError / TypeError (``KeyError`` too for a missing ``input_ids``): a malformed batch,
-        identically on every rank, before the batch is touched.
+        identically on every rank, before the batch is touched; ``ValueError`` on every rank when
+        the CP ranks hold different batches ([ranks] in the module docstring).
     """
     del tp_mesh
-    check_instance(batch, MutableMapping, "batch", fn="shard_batch_for_glm5_next_cp")
-    if "input_ids" not in batch:
-        raise MissingBatchKeyError("input_ids")
-    rows = _thd_rows(batch)
-    work = {**batch, **rows}
-    ids = check_tensor(work["input_ids"], "input_ids")
-    if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() or ids.shape[1] == 0:
-        raise ValueError(
-            f"input_ids must be a non-empty integer [batch, sequence] tensor, got shape "
-            f"{tuple(ids.shape)} dtype {ids.dtype}"
-        )
-    n_rows, seq_len = ids.shape
-    raw, doc_ids = _resolve_doc_ids(work, seq_len)
+    # every CP rank joins one exchange, so ranks holding different batches all raise
+    with BatchAgreement(cp_mesh, "shard_batch_for_glm5_next_cp") as agreement:
+        check_instance(batch, MutableMapping, "batch", fn="shard_batch_for_glm5_next_cp")
+        if "input_ids" not in batch:
+            raise MissingBatchKeyError("input_ids")
+        rows = _thd_rows(batch)
+        work = {**batch, **rows}
+        ids = check_tensor(work["input_ids"], "input_ids")
+        if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() or ids.shape[1] == 0:
+            raise ValueError(
+                f"input_ids must be a non-empty integer [batch, sequence] tensor, got shape "
+                f"{tuple(ids.shape)} dtype {ids.dtype}"
+            )
+        n_rows, seq_len = ids.shape
+        raw, doc_ids = _resolve_doc_ids(work, seq_len)
 
-    core_batch: dict[str, Any] = {"input_ids": ids, "doc_ids": doc_ids}
-    if work.get("labels") is not None:
-        core_batch["labels"] = check_tensor(work["labels"], "labels")
-    positions = work.get("position_ids")
-    one_row = False
-    if "position_ids" not in work:
-        positions = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand_as(ids)
-    if positions is not None:
-        positions = check_tensor(positions, "position_ids")
-        one_row = positions.dim() == 2 and positions.shape[0] == 1 and n_rows > 1
-        core_batch["position_ids"] = positions.expand(n_rows, -1) if one_row else positions
-    padding_mask = work.get("padding_mask")
-    if padding_mask is not None:
-        _stream_shape(check_tensor(padding_mask, "padding_mask"), "padding_mask", n_rows, seq_len)
-    local, core = shard_batch(
-        cp_mesh,
-        core_batch,
-        loss_mask=loss_mask,
-        padding_token_id=padding_token_id,
-        pad_multiple=1,
-        shard_primary=shard_primary,
-    )
+        core_batch: dict[str, Any] = {"input_ids": ids, "doc_ids": doc_ids}
+        if work.get("labels") is not None:
+            core_batch["labels"] = check_tensor(work["labels"], "labels")
+        positions = work.get("position_ids")
+        one_row = False
+        if "position_ids" not in work:
+            positions = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand_as(ids)
+        if positions is not None:
+            positions = check_tensor(positions, "position_ids")
+            one_row = positions.dim() == 2 and positions.shape[0] == 1 and n_rows > 1
+            core_batch["position_ids"] = positions.expand(n_rows, -1) if one_row else positions
+        padding_mask = work.get("padding_mask")
+        if padding_mask is not None:
+            check_tensor(padding_mask, "padding_mask")
+            _stream_shape(padding_mask, "padding_mask", n_rows, seq_len)
+        local, core = shard_batch(
+            cp_mesh,
+            core_batch,
+            loss_mask=loss_mask,
+            padding_token_id=padding_token_id,
+            pad_multiple=1,
+            shard_primary=shard_primary,
+            ignore_padding=False,  # NeMo's contract: the batch's own labels stay as given
+            check_agreement=False,  # checked here, after the validation above
+        )
+        agreement.check(core.doc_ids, seq_len)
     pad = core.global_seq_len - seq_len
     context = Glm5NextPackedContext._of_core(core, pad_sequence_dim(raw, pad, PAD_DOC_ID))
 

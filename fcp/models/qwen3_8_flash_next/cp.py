@@ -49,8 +49,13 @@ checks (host syncs) run when the tensors have data, i.e. not while tracing.
 
 Stricter than NeMo (NeMo silently accepts these, or fails later or with another exception; fcp
 raises ``ValueError`` / ``TypeError`` naming the argument and value, identically on every rank,
-before any collective and before touching the batch; NeMo mutates the batch before some errors):
+before any collective that depends on the batch and before touching the batch; NeMo mutates the
+batch before some errors):
 
+* ``[ranks]`` CP ranks holding different batches (rows, length or document map), or some of them
+  rejecting theirs: every rank raises ``ValueError`` naming the ranks and what differs, after one
+  all-gather of 6 int64 per rank (:class:`fcp.shard.BatchAgreement`). NeMo runs on with
+  corrupted outputs (same length) or fails inside a collective on some ranks only.
 * ``[non-tensor]`` a list or other non-tensor where a tensor is expected (``cu_seqlens``,
   ``seq_lens``, masks, ``labels``, ``position_ids``, ``loss_mask``, the context's tensors):
   NeMo raises ``AttributeError`` or ignores it.
@@ -107,7 +112,7 @@ from fcp.models.compat import (
     shard_layout_class,
 )
 from fcp.pytree import has_data, register_frozen_pytree
-from fcp.shard import pad_sequence_dim, shard_batch
+from fcp.shard import BatchAgreement, pad_sequence_dim, shard_batch
 
 __all__ = [
     "Qwen3_8_FlashNextCPContext",
@@ -582,79 +587,86 @@ def shard_batch_for_qwen3_8_flash_next_cp(
         ``batch`` holds this rank's token tensors and the replicated
         :class:`Qwen3_8_FlashNextCPContext` under ``"_qwen3_8_flash_next_cp_context"``.
     """
-    check_instance(batch, MutableMapping, "batch", fn="shard_batch_for_qwen3_8_flash_next_cp")
-    if mesh_size(tp_mesh) > 1:
-        raise UnsupportedBatchError(
-            "Qwen3.8-Flash-Next context parallelism cannot be composed with tensor parallelism"
-        )
-    cu = batch.get("cu_seqlens")
-    if cu is None and batch.get("seq_lens") is not None:
-        if "input_ids" not in batch:
-            raise MissingBatchKeyError("input_ids")
-        total = check_tensor(batch["input_ids"], "input_ids").shape[-1]
-        cu = packed_boundaries_from_seq_lens(check_tensor(batch["seq_lens"], "seq_lens"),
-                                             total_tokens=total)  # fmt: skip
-    unsupported = [k for k in _UNSUPPORTED_PACKED_KEYS if batch.get(k) is not None]
-    if unsupported or (batch.get("qkv_format") == "thd" and cu is None):
-        raise UnsupportedBatchError(
-            "Qwen3.8-Flash-Next packed context parallelism supports only cu_seqlens document "
-            f"boundaries; got unsupported keys {unsupported}"
-        )
-    if "input_ids" not in batch or "inputs_embeds" in batch:
-        raise UnsupportedBatchError(
-            "Qwen3.8-Flash-Next context parallelism requires raw input_ids as the sole primary "
-            "stream for PLE hashing"
-        )
-    ids = check_tensor(batch["input_ids"], "input_ids")
-    if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            "Qwen3.8-Flash-Next CP input_ids must be an int32/int64 [batch, sequence] tensor; "
-            f"got shape={tuple(ids.shape)}, dtype={ids.dtype}"
-        )
-    rows, seq_len = ids.shape
-    if seq_len == 0:
-        raise ValueError("Qwen3.8-Flash-Next context parallelism requires a non-empty sequence")
-    check_int(pad_multiple, "pad_multiple", 2, fn="shard_batch_for_qwen3_8_flash_next_cp")
-    if cu is not None:
-        if rows != 1:
-            raise ValueError(
-                f"Qwen3.8-Flash-Next packed CP requires a THD batch of one row, got batch={rows}"
+    # every CP rank joins one exchange, so ranks holding different batches all raise
+    with BatchAgreement(cp_mesh, "shard_batch_for_qwen3_8_flash_next_cp") as agreement:
+        check_instance(batch, MutableMapping, "batch", fn="shard_batch_for_qwen3_8_flash_next_cp")
+        if mesh_size(tp_mesh) > 1:
+            raise UnsupportedBatchError(
+                "Qwen3.8-Flash-Next context parallelism cannot be composed with tensor parallelism"
             )
-        cu = _boundaries(cu, "cu_seqlens")
-        if _bad_boundaries(cu) or int(cu[-1]) != seq_len:
-            raise ValueError(
-                f"cu_seqlens = {cu.tolist()} must start at 0, be strictly increasing and end at "
-                f"the packed token count {seq_len}"
+        cu = batch.get("cu_seqlens")
+        if cu is None and batch.get("seq_lens") is not None:
+            if "input_ids" not in batch:
+                raise MissingBatchKeyError("input_ids")
+            total = check_tensor(batch["input_ids"], "input_ids").shape[-1]
+            cu = packed_boundaries_from_seq_lens(check_tensor(batch["seq_lens"], "seq_lens"),
+                                                 total_tokens=total)  # fmt: skip
+        unsupported = [k for k in _UNSUPPORTED_PACKED_KEYS if batch.get(k) is not None]
+        if unsupported or (batch.get("qkv_format") == "thd" and cu is None):
+            raise UnsupportedBatchError(
+                "Qwen3.8-Flash-Next packed context parallelism supports only cu_seqlens document "
+                f"boundaries; got unsupported keys {unsupported}"
             )
-        if batch.get("attention_mask") is not None or batch.get("padding_mask") is not None:
-            raise ValueError(
-                "Qwen3.8-Flash-Next packed CP takes document boundaries from cu_seqlens; masks "
-                "are unsupported"
+        if "input_ids" not in batch or "inputs_embeds" in batch:
+            raise UnsupportedBatchError(
+                "Qwen3.8-Flash-Next context parallelism requires raw input_ids as the sole primary "
+                "stream for PLE hashing"
             )
-        cu = cu.to(ids.device)
-    valid = _valid_tokens(batch, ids)
-    labels = batch.get("labels")
-    if labels is None and loss_mask is None:
-        raise MissingBatchKeyError(
-            "Context parallelism requires `labels` in the batch, or labels passed as `loss_mask`."
-        )
-    if labels is not None:
-        labels = check_tensor(labels, "labels")
-    else:  # NeMo's protocol: the loss mask serves as labels (padded with -100)
-        labels, loss_mask = check_tensor(loss_mask, "loss_mask"), None
-    if tuple(labels.shape) != (rows, seq_len):
-        raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {(rows, seq_len)}")
-    positions = _positions(batch, ids)
+        ids = check_tensor(batch["input_ids"], "input_ids")
+        if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                "Qwen3.8-Flash-Next CP input_ids must be an int32/int64 [batch, sequence] tensor; "
+                f"got shape={tuple(ids.shape)}, dtype={ids.dtype}"
+            )
+        rows, seq_len = ids.shape
+        if seq_len == 0:
+            raise ValueError("Qwen3.8-Flash-Next context parallelism requires a non-empty sequence")
+        check_int(pad_multiple, "pad_multiple", 2, fn="shard_batch_for_qwen3_8_flash_next_cp")
+        if cu is not None:
+            if rows != 1:
+                raise ValueError(
+                    "Qwen3.8-Flash-Next packed CP requires a THD batch of one row, got "
+                    f"batch={rows}"
+                )
+            cu = _boundaries(cu, "cu_seqlens")
+            if _bad_boundaries(cu) or int(cu[-1]) != seq_len:
+                raise ValueError(
+                    f"cu_seqlens = {cu.tolist()} must start at 0, be strictly increasing and end "
+                    f"at the packed token count {seq_len}"
+                )
+            if batch.get("attention_mask") is not None or batch.get("padding_mask") is not None:
+                raise ValueError(
+                    "Qwen3.8-Flash-Next packed CP takes document boundaries from cu_seqlens; "
+                    "masks are unsupported"
+                )
+            cu = cu.to(ids.device)
+        valid = _valid_tokens(batch, ids)
+        labels = batch.get("labels")
+        if labels is None and loss_mask is None:
+            raise MissingBatchKeyError(
+                "Context parallelism requires `labels` in the batch, or labels passed as "
+                "`loss_mask`."
+            )
+        if labels is not None:
+            labels = check_tensor(labels, "labels")
+        else:  # NeMo's protocol: the loss mask serves as labels (padded with -100)
+            labels, loss_mask = check_tensor(loss_mask, "loss_mask"), None
+        if tuple(labels.shape) != (rows, seq_len):
+            raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {(rows, seq_len)}")
+        positions = _positions(batch, ids)
 
-    core_batch = {"input_ids": ids}
-    core_batch.update({"cu_seqlens": cu} if cu is not None else {"attention_mask": valid})
-    local, core = shard_batch(
-        cp_mesh,
-        core_batch,
-        loss_mask=loss_mask,
-        padding_token_id=padding_token_id,
-        pad_multiple=pad_multiple,
-    )
+        core_batch = {"input_ids": ids}
+        core_batch.update({"cu_seqlens": cu} if cu is not None else {"attention_mask": valid})
+        local, core = shard_batch(
+            cp_mesh,
+            core_batch,
+            loss_mask=loss_mask,
+            padding_token_id=padding_token_id,
+            pad_multiple=pad_multiple,
+            ignore_padding=False,  # NeMo's contract: the loss mask stays as given
+            check_agreement=False,  # checked here, after the validation above
+        )
+        agreement.check(core.doc_ids, seq_len)
     pad = core.global_seq_len - seq_len
     pos_dim = positions.dim() - 1
     global_ids = pad_sequence_dim(ids, pad, padding_token_id)
