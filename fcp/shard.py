@@ -53,8 +53,10 @@ from fcp.layout import (
 __all__ = [
     "BatchAgreement",
     "IGNORE_INDEX",
+    "INTEGER_STREAMS",
     "PACKING_KEYS",
     "TOKEN_KEYS",
+    "check_stream",
     "shard_batch",
     "gather_sequence",
     "global_doc_ids_from_batch",
@@ -79,6 +81,16 @@ TOKEN_KEYS: dict[str, Any] = {
 #: Packing metadata consumed into the document map (the context carries the layout afterwards).
 PACKING_KEYS = ("cu_seqlens", "seq_lens", "seq_lens_padded", "max_seqlen", "doc_ids")
 _MASK_KEYS = ("attention_mask", "padding_mask")
+
+
+#: Token streams holding integers (ids, labels, positions); ``inputs_embeds`` is floating.
+INTEGER_STREAMS = ("input_ids", "labels", "position_ids", "token_type_ids")
+
+
+def check_stream(key: str, t: Any) -> torch.Tensor:
+    """A token stream or packing tensor: a real (not meta) tensor of its kind (host-side)."""
+    kind = "int" if key in INTEGER_STREAMS else "float" if key == "inputs_embeds" else None
+    return check_tensor(t, key, kind=kind, values=True)
 
 
 def pad_sequence_dim(tensor: torch.Tensor, pad_len: int, value: float | int | bool, dim: int = 1):
@@ -129,7 +141,7 @@ def global_doc_ids_from_batch(batch: Mapping[str, Any], seq_len: int) -> torch.T
     mask = _mask_of(batch, primary)
     packed = batch.get("cu_seqlens") is not None or batch.get("seq_lens") is not None
     if batch.get("doc_ids") is not None:
-        doc_ids = torch.as_tensor(batch["doc_ids"])
+        doc_ids = check_stream("doc_ids", batch["doc_ids"])
         if doc_ids.dim() == 1:
             doc_ids = doc_ids.unsqueeze(0)
         if tuple(doc_ids.shape) != (n_rows, seq_len):
@@ -143,9 +155,9 @@ def global_doc_ids_from_batch(batch: Mapping[str, Any], seq_len: int) -> torch.T
                 f"cu_seqlens describes one packed row, but the batch has {n_rows} rows; "
                 "use seq_lens [batch, documents] for packed batches with several rows"
             )
-        doc_ids = doc_ids_from_cu_seqlens(torch.as_tensor(batch["cu_seqlens"]), seq_len)
+        doc_ids = doc_ids_from_cu_seqlens(check_stream("cu_seqlens", batch["cu_seqlens"]), seq_len)
     elif batch.get("seq_lens") is not None:
-        seq_lens = torch.as_tensor(batch["seq_lens"])
+        seq_lens = check_stream("seq_lens", batch["seq_lens"])
         rows = 1 if seq_lens.dim() == 1 else seq_lens.shape[0]
         if rows != n_rows:
             raise ValueError(
@@ -187,17 +199,6 @@ def _mask_of(batch: Mapping[str, Any], primary: torch.Tensor) -> torch.Tensor | 
         raise ValueError("attention_mask and padding_mask are both given and disagree")
     return normalised[0]
 
-
-def _check_stream(key: str, t: Any) -> None:
-    """A token stream must be a real tensor of a sensible dtype (host-side, before any work)."""
-    check_tensor(t, key)
-    if t.is_meta:
-        raise ValueError(f"{key} is a meta tensor; sharding needs real values")
-    integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-    if key in ("input_ids", "labels", "position_ids", "token_type_ids") and not integer:
-        raise TypeError(f"{key} must have an integer dtype, got {t.dtype}")
-    if key == "inputs_embeds" and not t.is_floating_point():
-        raise TypeError(f"inputs_embeds must be floating point, got {t.dtype}")
 
 
 class BatchAgreement:
@@ -325,8 +326,9 @@ def shard_batch(
             exactly one of ``input_ids`` (integer) / ``inputs_embeds`` (float
             ``[batch, sequence, hidden]``); optional ``labels`` (integer), ``position_ids``,
             ``loss_mask``, ``attention_mask`` / ``padding_mask`` (binary, right-tail, True/1 =
-            valid token), ``token_type_ids``; packing metadata ``doc_ids`` / ``cu_seqlens`` /
-            ``seq_lens`` (+ ignored ``seq_lens_padded``). Other entries pass through unchanged.
+            valid token), ``token_type_ids``; packing metadata (integer tensors) ``doc_ids`` /
+            ``cu_seqlens`` / ``seq_lens`` (+ ignored ``seq_lens_padded``). Other entries pass
+            through unchanged.
         loss_mask: optional ``[batch, sequence]`` loss mask, sharded into ``local["loss_mask"]``
             (overrides ``batch["loss_mask"]``).
         padding_token_id: input id appended for CP divisibility (an int).
@@ -424,10 +426,10 @@ def _validated(batch, loss_mask, padding_token_id, pad_multiple, shard_primary,
     token_keys = dict(TOKEN_KEYS)
     token_keys.update({k: 0 for k in extra_token_keys})
     if loss_mask is not None:
-        _check_stream("loss_mask", loss_mask)
+        check_stream("loss_mask", loss_mask)
     for key in token_keys:
         if batch.get(key) is not None:
-            _check_stream(key, batch[key])
+            check_stream(key, batch[key])
     work = normalize_batch_axis(batch)
     if loss_mask is not None:
         work["loss_mask"] = loss_mask.unsqueeze(0) if loss_mask.dim() == 1 else loss_mask

@@ -74,7 +74,8 @@ def _call(name: str, t: dict, ctx: PackedContext) -> torch.Tensor:
 
 
 def run(env, name: str, inputs: dict, doc_ids, grad_out, dtype) -> dict:
-    """This rank's ``{"out": ..., <input>: grad}`` (fp64) for ``sum(out * grad_out)`` in ``dtype``."""
+    """This rank's ``{"out": ..., <input>: grad}`` (fp64) of ``sum(out * grad_out)`` in ``dtype``
+    (``env=None``: one process)."""
     if env is None:
         ctx = PackedContext(doc_ids)
     else:

@@ -110,7 +110,10 @@ IDS = torch.ones(1, 4, dtype=torch.long)
         ({"input_ids": IDS}, {"pad_multiple": 0}, ValueError, "pad_multiple=0"),
         ({"input_ids": IDS}, {"shard_primary": 1}, TypeError, "shard_primary"),
         ({"input_ids": torch.ones(1, 4, dtype=torch.bool)}, {}, TypeError, "input_ids .*torch.bool"),
-        ({"input_ids": torch.ones(1, 4)}, {}, TypeError, "input_ids must have an integer dtype"),
+        ({"input_ids": torch.ones(1, 4)}, {}, TypeError, "input_ids must be an integer dtype"),
+        ({"input_ids": IDS, "cu_seqlens": [0, 4]}, {}, TypeError, "cu_seqlens must be a torch.Tensor"),
+        ({"input_ids": IDS, "cu_seqlens": torch.tensor([0, 4], device="meta")}, {}, ValueError,
+         "cu_seqlens is a meta tensor"),
         ({"input_ids": IDS, "labels": torch.ones(1, 4)}, {}, TypeError, "labels .*torch.float32"),
         ({"input_ids": torch.ones(1, 4, dtype=torch.long, device="meta")}, {}, ValueError,
          "input_ids is a meta tensor"),
@@ -127,7 +130,8 @@ def test_rejects_bad_types_naming_the_argument(batch, kwargs, exc, match):
 def test_bad_batch_gives_the_same_error_on_every_rank(rank_pool):
     batch = {"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 3)}
     results = rank_pool.run(fns.shard_error, 2, batch, {})
-    assert results[0] == results[1] and results[0][0] == "TypeError" and "labels" in results[0][1]
+    assert results[0] == results[1] and results[0][0] == "ArgumentTypeError"
+    assert "labels" in results[0][1]
 
 
 def test_gather_gradients_flow_to_owning_ranks(rank_pool):
@@ -249,3 +253,42 @@ def test_seed_sharders_keep_nemos_labels_on_the_pad_tail(rank_pool):
     res = rank_pool.run(fns.local_labels, 2, batch, "glm", timeout=10)
     assert torch.cat([r[0] for r in res], 1).tolist() == [list(range(1, 49))]
     assert torch.cat([r[1] for r in res], 1).tolist() == [[1] * 48]
+
+
+# ------------------------------------------------------------------ the three sharders agree
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return t.to("meta")
+
+
+BAD_INPUTS = {  # change to packed([3, 5], 8) -> (error type, message part naming the argument)
+    "float labels": (lambda b: {"labels": b["labels"].float()}, "ArgumentTypeError",
+                     "labels must be an integer dtype"),
+    "meta labels": (lambda b: {"labels": _meta(b["labels"])}, "ValueError",
+                    "labels is a meta tensor"),
+    "float position_ids": (lambda b: {"position_ids": torch.arange(8.0)[None]},
+                           "ArgumentTypeError", "position_ids must be an integer dtype"),
+    "meta input_ids": (lambda b: {"input_ids": _meta(b["input_ids"])}, "ValueError",
+                       "input_ids is a meta tensor"),
+    "meta cu_seqlens": (lambda b: {"cu_seqlens": _meta(b["cu_seqlens"])}, "ValueError",
+                        "cu_seqlens is a meta tensor"),
+    "meta seq_lens": (lambda b: {"cu_seqlens": None, "seq_lens": _meta(torch.tensor([[3, 5]]))},
+                      "ValueError", "seq_lens is a meta tensor"),
+    "list attention_mask": (lambda b: {"cu_seqlens": None, "attention_mask": [[1] * 8]},
+                            "ArgumentTypeError", "attention_mask must be a torch.Tensor"),
+    "meta attention_mask": (lambda b: {"cu_seqlens": None,
+                                       "attention_mask": _meta(torch.ones(1, 8))},
+                            "ValueError", "attention_mask is a meta tensor"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("sharder", SHARDERS)
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_the_three_sharders_reject_the_same_bad_inputs_naming_them(sharder, case):
+    """The Qwen sharder used to accept float and meta labels; meta packing tensors crashed all
+    three in ``Tensor.item()``; a list attention_mask was reported as ``mask``."""
+    change, kind, words = BAD_INPUTS[case]
+    batch = packed([3, 5], 8)
+    batch = {k: v for k, v in {**batch, **change(batch)}.items() if v is not None}
+    got = fns.shard_with(sharder, None, batch, {})
+    assert got[0] == kind and words in got[1], got
+

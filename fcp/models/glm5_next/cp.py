@@ -108,6 +108,13 @@ depends on the batch and before touching the batch):
   ``cp_size`` or whose rank does not own ``seq_start`` (NeMo lets FLA plan another layout).
 * ``[gather-shapes]`` ``all_gather_sequence`` of shards whose shapes differ between ranks (every
   rank raises instead of a gloo error or hang).
+* ``[meta]`` a meta tensor (no values) as ``input_ids``, a token stream, a mask, ``_packed_seq_ids``,
+  ``seq_lens`` or ``cu_seqlens``: ``ValueError`` naming it (NeMo fails inside with ``Tensor.item()
+  cannot be called on meta tensors`` or a ``nonzero`` error).
+* ``[seq-len]`` a float or bool ``seq_len`` of ``doc_ids_from_seq_lens`` /
+  ``doc_ids_from_cu_seqlens`` (NeMo's ``arange`` takes a float). A negative one raises
+  :class:`~fcp.models.compat.NegativeLengthError`, a ``RuntimeError`` as NeMo's and a
+  ``ValueError``.
 
 Kept from NeMo on purpose: ``padding_value`` is keyword-only; ``cp_group=None`` in the gathers means
 the default process group (``ValueError`` when none is initialised); an out-of-range row raises
@@ -140,8 +147,13 @@ from fcp.layout import (
 from fcp.layout import doc_ids_from_cu_seqlens as core_doc_ids_from_cu_seqlens
 from fcp.layout import doc_ids_from_seq_lens as core_doc_ids_from_seq_lens
 from fcp.layout import segment_cu_seqlens as core_segment_cu_seqlens
-from fcp.models.compat import MissingBatchKeyError, shard_layout, shard_layout_class
-from fcp.shard import BatchAgreement, pad_sequence_dim, shard_batch
+from fcp.models.compat import (
+    MissingBatchKeyError,
+    NegativeLengthError,
+    shard_layout,
+    shard_layout_class,
+)
+from fcp.shard import BatchAgreement, check_stream, pad_sequence_dim, shard_batch
 
 #: Document id of padding tokens.
 _PAD_DOC_ID = PAD_DOC_ID
@@ -412,6 +424,14 @@ class Glm5NextPackedContext:
 # ---------------------------------------------------------------------------------------------
 # document maps
 # ---------------------------------------------------------------------------------------------
+def _sequence_length(seq_len: Any, fn: str) -> int:
+    """``seq_len`` as an int >= 0; negative: :class:`NegativeLengthError`, NeMo's RuntimeError."""
+    seq_len = check_int(seq_len, "seq_len", fn=fn)
+    if seq_len < 0:
+        raise NegativeLengthError(f"{fn}: seq_len={seq_len} must be >= 0")
+    return seq_len
+
+
 def doc_ids_from_seq_lens(
     seq_lens: torch.Tensor, seq_len: int, *, padding_value: int = SEQ_LENS_SENTINEL
 ) -> torch.Tensor:
@@ -423,6 +443,7 @@ def doc_ids_from_seq_lens(
 
     Example: ``doc_ids_from_seq_lens(tensor([2, 0, 2]), 5) -> [[1, 1, 3, 3, 0]]``.
     """
+    seq_len = _sequence_length(seq_len, "doc_ids_from_seq_lens")
     ids = core_doc_ids_from_seq_lens(seq_lens, seq_len, padding_value)
     lens = seq_lens if seq_lens.dim() == 2 else seq_lens.unsqueeze(0)
     # Core ids count non-empty documents; NeMo's count every slot. k-th non-empty -> its slot.
@@ -443,7 +464,8 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Ten
 
     Example: ``doc_ids_from_cu_seqlens(tensor([0, 2, 2, 5, -1]), 6) -> [[1, 1, 3, 3, 3, 0]]``.
     """
-    cu = check_tensor(cu_seqlens, "cu_seqlens")
+    seq_len = _sequence_length(seq_len, "doc_ids_from_cu_seqlens")
+    cu = check_tensor(cu_seqlens, "cu_seqlens", values=True)
     if cu.dim() == 2 and cu.shape[0] == 1:
         cu = cu[0]
     if cu.dim() == 1 and not (cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool):
@@ -471,7 +493,7 @@ def segment_cu_seqlens(doc_ids_row: torch.Tensor) -> torch.Tensor:
     int32 ``[runs + 1]`` from 0 to ``sequence`` on the row's device (the pad tail is its own run);
     an empty row gives ``[0]``. :func:`fcp.layout.segment_cu_seqlens` of a 1-D integer row.
     """
-    row = check_tensor(doc_ids_row, "doc_ids_row")
+    row = check_tensor(doc_ids_row, "doc_ids_row", values=True)
     if row.dim() != 1:
         raise ValueError(f"doc_ids_row must be 1-D [sequence], got shape {tuple(row.shape)}")
     return core_segment_cu_seqlens(row).to(torch.int32)
@@ -655,11 +677,11 @@ def _resolve_doc_ids(
     rows = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
     if batch.get("_packed_seq_ids") is not None:
         name = "_packed_seq_ids"
-        raw = check_tensor(batch[name], name)
+        raw = check_tensor(batch[name], name, values=True)
         raw = _id_map(raw.unsqueeze(0) if raw.dim() == 1 else raw, name)
     elif batch.get("attention_mask") is not None:
         name = "attention_mask"
-        raw = check_tensor(batch[name], name)
+        raw = check_tensor(batch[name], name, values=True)
         if raw.dim() != 2:
             raise ValueError(
                 f"attention_mask has shape {tuple(raw.shape)}; GLM CP reads a 2-D [batch, "
@@ -676,7 +698,7 @@ def _resolve_doc_ids(
         )
     elif batch.get("seq_lens_padded", batch.get("seq_lens")) is not None:
         name = "seq_lens_padded" if batch.get("seq_lens_padded") is not None else "seq_lens"
-        raw = doc_ids_from_seq_lens(check_tensor(batch[name], name), seq_len)
+        raw = doc_ids_from_seq_lens(check_tensor(batch[name], name, values=True), seq_len)
     elif batch.get("cu_seqlens") is not None:
         name = "cu_seqlens"
         raw = doc_ids_from_cu_seqlens(batch[name], seq_len)
@@ -686,7 +708,7 @@ def _resolve_doc_ids(
         name, pad = "padding_mask", batch.get("padding_mask")
         raw = torch.ones(rows, seq_len, dtype=torch.int32, device=ids.device)
         if pad is not None:
-            _stream_shape(check_tensor(pad, name), name, rows, seq_len)
+            _stream_shape(check_tensor(pad, name, values=True), name, rows, seq_len)
             raw = raw.masked_fill(pad.bool(), PAD_DOC_ID)
         else:
             name = "input_ids"
@@ -750,7 +772,7 @@ def shard_batch_for_glm5_next_cp(
             raise MissingBatchKeyError("input_ids")
         rows = _thd_rows(batch)
         work = {**batch, **rows}
-        ids = check_tensor(work["input_ids"], "input_ids")
+        ids = check_tensor(work["input_ids"], "input_ids", values=True)
         if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() or ids.shape[1] == 0:
             raise ValueError(
                 f"input_ids must be a non-empty integer [batch, sequence] tensor, got shape "
@@ -761,18 +783,18 @@ def shard_batch_for_glm5_next_cp(
 
         core_batch: dict[str, Any] = {"input_ids": ids, "doc_ids": doc_ids}
         if work.get("labels") is not None:
-            core_batch["labels"] = check_tensor(work["labels"], "labels")
+            core_batch["labels"] = check_stream("labels", work["labels"])
         positions = work.get("position_ids")
         one_row = False
         if "position_ids" not in work:
             positions = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand_as(ids)
         if positions is not None:
-            positions = check_tensor(positions, "position_ids")
+            positions = check_stream("position_ids", positions)
             one_row = positions.dim() == 2 and positions.shape[0] == 1 and n_rows > 1
             core_batch["position_ids"] = positions.expand(n_rows, -1) if one_row else positions
         padding_mask = work.get("padding_mask")
         if padding_mask is not None:
-            check_tensor(padding_mask, "padding_mask")
+            check_tensor(padding_mask, "padding_mask", values=True)
             _stream_shape(padding_mask, "padding_mask", n_rows, seq_len)
         local, core = shard_batch(
             cp_mesh,
