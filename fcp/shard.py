@@ -215,8 +215,10 @@ class BatchAgreement:
     A rank whose validation raises joins the exchange on the way out (as "rejected") and its own
     error propagates; the ranks that accepted their batch then raise a ``ValueError`` naming it.
     The exchange is one all-gather of 6 int64 per rank; only when the maps differ, a second
-    all-gather of the maps locates the first differing position. ``enabled=False``, ``None``
-    or a one-rank group: no exchange (the caller guarantees agreement). Eager only.
+    all-gather of the maps locates the first differing position. It runs on the group's device
+    whatever the batch's (CPU for gloo; on NCCL the current GPU, read back on the host: one
+    synchronisation per batch). ``enabled=False``, ``None`` or a one-rank group: no exchange
+    (the caller guarantees agreement). Eager only.
 
     Args:
         cp_mesh: the CP group (``None``, ``ProcessGroup``, 1-D ``DeviceMesh`` or ``GroupInfo``).
