@@ -94,6 +94,7 @@ def main(argv=None) -> Path:
 
     sys.path.insert(0, str(ROOT))
     from benchmarks import (
+        bench_agreement,
         bench_attention,
         bench_comm,
         bench_gdn,
@@ -147,6 +148,10 @@ def main(argv=None) -> Path:
                                                                 ["1024", "4096"])])  # fmt: skip
     sections.append(("transformers' GLM-5.3-Flash on fcp: CP 2 vs 1 rank, bytes per DSA layer",
                      text))
+    print("agreement check ...", flush=True)
+    agree_rows, text = _capture(bench_agreement.main, ["--repeats", "10" if q else "30"])
+    sections.append(("shard_batch's check that the CP ranks hold the same batch (4 gloo ranks)",
+                     text))
     print("layout ...", flush=True)
     sections.append(("Layout and sharding at 1M tokens / 100k documents",
                      _script("bench_layout.py", ["--repeats", "5" if q else "15",
@@ -197,6 +202,13 @@ def main(argv=None) -> Path:
         else:
             head.append(f"| demo GLM-5.3-Flash {r['tokens']} tokens, CP 2 vs 1 rank: speed-up / "
                         f"saved-activation ratio | {r['speedup']:.2f}x / {r['saved_ratio']:.2f}x |")
+    for r in agree_rows:
+        if r["check_over_step"] is not None:
+            head.append(f"| shard_batch's agreement check / demo fwd+bwd step ({r['world']} "
+                        f"ranks, {r['batch']}; target < 1%) | {100 * r['check_over_step']:.2f}% |")
+        else:
+            head.append(f"| shard_batch's agreement check / shard_batch without it ({r['batch']})"
+                        f" | {100 * r['check_over_shard']:.0f}% |")
     r = max(gdn_rows, key=lambda r: r["seq"])
     head.append(f"| GDN scalar gate vs gate broadcast to K ({r['seq']} tokens, K=V=128): time / "
                 f"peak memory / saved activations, broadcast over scalar | {r['time_ratio']:.2f}x "

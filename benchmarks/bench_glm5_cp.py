@@ -29,7 +29,8 @@ from examples.glm5_hf import Glm5NextLM
 from tests.support.rank_pool import RankPool
 
 
-def _step(model, local, ctx):
+def train_step(model, local, ctx):
+    """Forward, token-summed cross-entropy, backward: the demo step without FSDP and optimizer."""
     logits = model(local["input_ids"], ctx)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), local["labels"].flatten(),
                                              ignore_index=-100, reduction="sum")  # fmt: skip
@@ -49,14 +50,14 @@ def cp_job(env, seq: int, repeats: int) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _step(model, local, ctx)
+        train_step(model, local, ctx)
     times = []
     for _ in range(repeats):
         model.zero_grad(set_to_none=True)
         if group is not None:
             dist.barrier(group)
         t0 = time.perf_counter()
-        _step(model, local, ctx)
+        train_step(model, local, ctx)
         times.append(time.perf_counter() - t0)
     # bytes received by one DSA layer's forward: its mixer alone, on this rank's input
     dsa = model.backbone.layers[3].self_attn

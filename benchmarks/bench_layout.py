@@ -65,13 +65,15 @@ def main() -> None:
     ids = torch.randint(0, 256, (1, args.tokens))
     batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "seq_lens": seq_lens}
     # Each CP rank runs the same host-side planning on the replicated batch; GroupInfo stands in
-    # for an 8-rank group (shard_batch issues no collective, so no processes are needed).
+    # for an 8-rank group (without the ranks' agreement check, shard_batch issues no collective,
+    # so no processes are needed; benchmarks/bench_agreement.py measures the check).
     ranks = [GroupInfo(object(), 8, r) for r in range(8)]
 
     cases = {
         "torch.cumsum (baseline)": lambda: torch.cumsum(doc_ids, dim=-1),
-        "shard_batch, one of 8 ranks": lambda: shard_batch(ranks[3], batch),
-        "shard_batch, all 8 ranks": lambda: [shard_batch(g, batch) for g in ranks],
+        "shard_batch, one of 8 ranks": lambda: shard_batch(ranks[3], batch, check_agreement=False),
+        "shard_batch, all 8 ranks": lambda: [shard_batch(g, batch, check_agreement=False)
+                                             for g in ranks],
         "doc_ids_from_seq_lens": lambda: doc_ids_from_seq_lens(seq_lens, args.tokens),
         "segment_cu_seqlens": lambda: segment_cu_seqlens(doc_ids[0]),
         "position_ids_from_doc_ids": lambda: position_ids_from_doc_ids(doc_ids),

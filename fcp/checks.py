@@ -157,6 +157,7 @@ def check_tensor(
     dim: int | tuple[int, ...] | None = None,
     shape: tuple[int | None, ...] | None = None,
     layout: str = "",
+    values: bool = False,
 ) -> torch.Tensor:
     """``value`` if it is a ``torch.Tensor`` of the required kind, dtype, rank and shape.
 
@@ -166,13 +167,22 @@ def check_tensor(
         dim: the required rank (or a tuple of allowed ranks).
         shape: the required shape, ``None`` entries free (implies the rank).
         layout: how the message names the axes, e.g. ``"[batch, local_seq, heads, K]"``.
+        values: the caller reads the tensor's values on the host (eager validation of a batch):
+            a meta tensor, which has none, is a ``ValueError`` naming it.
 
-    Not a tensor, wrong kind or dtype: :class:`ArgumentTypeError`; wrong rank or shape:
-    ``ValueError``. Metadata only (no host synchronisation).
+    Not a tensor, wrong kind or dtype: :class:`ArgumentTypeError`; wrong rank or shape, or a
+    meta tensor with ``values``: ``ValueError``. Metadata only (no host synchronisation).
+
+    >>> check_tensor(torch.zeros(2, device="meta"), "cu_seqlens", values=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: cu_seqlens is a meta tensor; its values are needed here
     """
     p = _prefix(fn)
     if not isinstance(value, torch.Tensor):
         raise ArgumentTypeError(f"{p}{name} must be a torch.Tensor, got {describe(value)}")
+    if values and value.is_meta:
+        raise ValueError(f"{p}{name} is a meta tensor; its values are needed here")
     if kind is not None:
         test, words = _KINDS[kind]
         if not test(value):

@@ -54,7 +54,7 @@ SEQ_LENS_SENTINEL = -1000
 
 
 def _require_tensor(x, name: str, integer: bool = False) -> None:
-    check_tensor(x, name, kind="int" if integer else None)
+    check_tensor(x, name, kind="int" if integer else None, values=True)  # validation reads them
 
 
 def _non_negative_int(value, name: str) -> int:

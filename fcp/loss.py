@@ -38,7 +38,14 @@ class GlobalMean(NamedTuple):
 
 
 def loss_token_count(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """int64 scalar: the tokens of ``labels`` (any shape) that carry a loss."""
+    """int64 scalar: the tokens of ``labels`` (any shape) that carry a loss.
+
+    On labels from :func:`fcp.shard_batch` that is the real tokens only: every token outside a
+    document (doc id 0: the batch's pad tail and the CP padding) has label ``ignore_index``.
+
+    >>> loss_token_count(torch.tensor([[5, 6, -100, -100]]))
+    tensor(2)
+    """
     return (labels != ignore_index).sum()
 
 

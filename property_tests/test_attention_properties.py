@@ -2,7 +2,7 @@
 
 * CP on real gloo groups (1-4 ranks) equals the single-process operator: outputs and q/k/v
   gradients within 1e-5 in fp32; in bf16 within 3e-2 (outputs are rounded once to bf16 from
-  fp32; the K/V gradients are summed across ranks in bf16 by the reduce-scatter).
+  fp32; the K/V gradients are summed across ranks in fp32, then rounded once).
 * The single-process operator equals the float64 definition-by-loops reference of
   ``tests/test_attention.py`` (fp32, 1e-5).
 

@@ -3,7 +3,8 @@
 Every CP result is compared with a single-process reference computed on the concatenated global
 tensors; gradients with autograd through that reference. fp32/fp64 must match to 1e-6 (the
 collectives only move data, so they are exact in practice); bf16 data is moved bit-exactly too,
-but the state chain accumulates in fp32, so its bf16 case is held to 1e-2 relative.
+but the state chain accumulates in fp32, so its bf16 case is held to 1e-2 relative. With
+``dtype=torch.float32`` a bf16 gradient summed over ranks is rounded once (within 2**-8).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from tests import _comm_rank_fns as fns
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 SETTINGS = settings(max_examples=25, deadline=None)
+FEW = settings(max_examples=12, deadline=None)
 
 
 def _seeded(shape, dtype, seed):
@@ -119,3 +121,42 @@ def test_state_chain_matches_sequential_reference(rank_pool, world, lead, k, v, 
         torch.testing.assert_close(s_in.double(), expected[rank], rtol=tol, atol=tol)
         torch.testing.assert_close(m_grad.double(), m_ref.grad[rank], rtol=tol, atol=tol)
         torch.testing.assert_close(s_grad.double(), s_ref.grad[rank], rtol=tol, atol=tol)
+
+
+@FEW
+@given(
+    world=st.integers(1, 4),
+    local=st.integers(1, 5),
+    history_factor=st.floats(0, 2.5),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_widened_gather_and_halo_round_summed_gradients_once(rank_pool, world, local,
+                                                             history_factor, dtype, seed):
+    """``dtype=torch.float32``: results in at least fp32 holding the input's values exactly, and
+    each token's gradient (its own plus every rank's partial) summed before one rounding."""
+    history = int(history_factor * local)
+    full = _seeded([2, local * world, 3], dtype, seed)
+    wg = _seeded([world, 2, local * world, 3], torch.float32, seed + 1)
+    wh = _seeded([world, 2, history + local, 3], torch.float32, seed + 2)
+    results = rank_pool.run(fns.widened_fwd_bwd, world, full, history, wg, wh)
+
+    wide = torch.promote_types(dtype, torch.float32)
+    exact_g, exact_h = wg.double().sum(0), torch.zeros_like(full, dtype=torch.float64)
+    for rank in range(world):
+        for i in range(history + local):  # extended position i is global token rank*L - H + i
+            p = rank * local - history + i
+            if p >= 0:
+                exact_h[:, p] += wh[rank, :, i].double()
+    bf16 = dtype == torch.bfloat16
+    tol = dict(rtol=2**-8, atol=1e-5) if bf16 else dict(rtol=1e-6, atol=1e-6)
+    for rank, (g, h, grad_g, grad_h) in enumerate(results):
+        assert g.dtype == h.dtype == wide and grad_g.dtype == grad_h.dtype == dtype
+        assert torch.equal(g, full.to(wide))
+        start = rank * local
+        halo = full[:, max(0, start - history) : start + local].to(wide)
+        assert torch.equal(h[:, history + local - halo.shape[1] :], halo)
+        assert not h[:, : history + local - halo.shape[1]].any()  # before the sequence start
+        mine = slice(start, start + local)
+        torch.testing.assert_close(grad_g.double(), exact_g[:, mine], **tol)
+        torch.testing.assert_close(grad_h.double(), exact_h[:, mine], **tol)

@@ -1,6 +1,7 @@
-"""Sharding properties on real gloo groups: shard then gather is the identity, every token lands
-on exactly one rank, labels and doc ids stay aligned, and a bad batch fails identically on every
-rank (so no rank is left waiting in a collective)."""
+"""Sharding properties on real gloo groups: shard then gather is the identity (but for the labels
+and loss mask of tokens outside every document, which never train), every token lands on exactly
+one rank, labels and doc ids stay aligned, and a bad batch fails identically on every rank (so no
+rank is left waiting in a collective)."""
 
 from __future__ import annotations
 
@@ -74,14 +75,17 @@ def test_shard_then_gather_is_identity(rank_pool, data, world, pad_multiple, use
         # local slices are the global tensors' slices, padded by meaning
         ids = torch.cat([batch["input_ids"], torch.zeros(rows, padded - seq_len, dtype=torch.long)], 1)
         labels = torch.cat([batch["labels"], torch.full((rows, padded - seq_len), -100)], 1)
+        labels = torch.where(ref_doc == 0, -100, labels)  # padding never trains
         assert torch.equal(local["input_ids"], ids[:, start:end])
         assert torch.equal(local["labels"], labels[:, start:end])
-        pad_here = torch.arange(start, end) >= seq_len
-        assert not local["loss_mask"][:, pad_here].any()
+        assert not local["loss_mask"][ref_doc[:, start:end] == 0].any()
         g = res["gathered"]
+        outside = ref_doc[:, :seq_len] == 0
         for key in ("input_ids", "labels", "loss_mask", "position_ids"):
             if key in batch:
-                assert torch.equal(g[key], batch[key]), key
+                fill = {"labels": -100, "loss_mask": 0}.get(key)
+                want = batch[key] if fill is None else batch[key].masked_fill(outside, fill)
+                assert torch.equal(g[key], want), key
             assert g[key].shape == (rows, seq_len)
             assert g[key + "@padded"].shape == (rows, padded)
         if "position_ids" not in batch:  # derived: restart at each document

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from fcp.comm import all_gather_backward_anchor, all_gather_sequence, left_halo, state_chain
+from fcp.comm import (
+    all_gather_backward_anchor,
+    all_gather_sequence,
+    left_halo,
+    state_chain,
+    with_left_halo,
+)
 from fcp.context import PackedContext
 
 
@@ -50,6 +56,29 @@ def halo_fwd_bwd(env, full: torch.Tensor, history: int, weights: torch.Tensor):
         return halo.detach(), torch.zeros_like(x)
     loss.backward()
     return halo.detach(), x.grad
+
+
+def widened_fwd_bwd(env, full: torch.Tensor, history: int, wg: torch.Tensor, wh: torch.Tensor,
+                    compiled: bool = False):
+    """``all_gather_sequence`` and ``with_left_halo`` with ``dtype=torch.float32`` on this rank's
+    slice (two leaves); losses ``sum(gathered * wg[r])`` and ``sum(extended * wh[r])``. Returns
+    both results and the two input gradients (eager, or compiled with fullgraph=True)."""
+    local_len = full.shape[1] // env.world_size
+    ctx = _ctx(env, full.shape[0], local_len)
+    x = full[:, env.rank * local_len : (env.rank + 1) * local_len]
+    xg, xh = x.clone().requires_grad_(), x.clone().requires_grad_()
+
+    def block(a, b):
+        g = all_gather_sequence(a, ctx, dtype=torch.float32)
+        h = with_left_halo(b, ctx, history, dtype=torch.float32)
+        return g, h, (g * wg[env.rank].to(g.dtype)).sum() + (h * wh[env.rank].to(h.dtype)).sum()
+
+    if compiled:
+        torch._dynamo.reset()
+        block = torch.compile(block, fullgraph=True, backend="aot_eager")
+    g, h, loss = block(xg, xh)
+    loss.backward()
+    return g.detach(), h.detach(), xg.grad, xh.grad
 
 
 def halo_bytes(env, local_len: int, history: int, channels: int):

@@ -53,3 +53,36 @@ def primary_kept_full(env, batch: dict):
     sliced = ctx.shard(embeds)
     sliced.sum().backward()
     return local["input_ids"].shape, local["labels"], sliced.detach(), embeds.grad
+
+
+def shard_with(sharder: str, group, batch: dict, kwargs: dict):
+    """``("ok", padded length)`` or the error's ``(type name, message)`` of one sharder:
+    ``"fcp"`` (:func:`fcp.shard_batch`), ``"glm"`` or ``"qwen"`` (the seed sharders)."""
+    from fcp.models.glm5_next.cp import shard_batch_for_glm5_next_cp
+    from fcp.models.qwen3_8_flash_next.cp import shard_batch_for_qwen3_8_flash_next_cp
+
+    try:
+        if sharder == "fcp":
+            return "ok", shard_batch(group, batch, **kwargs)[1].global_seq_len
+        fn = {"glm": shard_batch_for_glm5_next_cp,
+              "qwen": shard_batch_for_qwen3_8_flash_next_cp}[sharder]  # fmt: skip
+        return "ok", fn(group, None, dict(batch), **kwargs)[2].padded_seq_len
+    except (ValueError, TypeError) as err:
+        return type(err).__name__, str(err)
+
+
+def shard_own_batch(env, batches: list, sharder: str, kwargs: dict):
+    """:func:`shard_with` on ``batches[rank]`` (ranks that disagree)."""
+    return shard_with(sharder, env.group, batches[env.rank], kwargs)
+
+
+def local_labels(env, batch: dict, sharder: str):
+    """This rank's labels and loss mask after sharding ``batch`` with ``sharder``."""
+    from fcp.models.glm5_next.cp import shard_batch_for_glm5_next_cp
+
+    if sharder == "fcp":
+        local, _ = shard_batch(env.group, batch)
+    else:
+        _, local, _ = shard_batch_for_glm5_next_cp(env.group, None, dict(batch),
+                                                   loss_mask=batch["loss_mask"])  # fmt: skip
+    return local["labels"], local["loss_mask"]

@@ -12,6 +12,7 @@ from fcp.comm import (
     halo_plan,
     left_halo,
     state_chain,
+    with_left_halo,
 )
 from fcp.context import PackedContext
 from tests.support.rank_pool import RankError
@@ -117,6 +118,29 @@ def test_collectives_compiled_equal_eager(rank_pool):
         torch.testing.assert_close(comp_grad, eager_grad, rtol=1e-6, atol=1e-6)
 
 
+def test_widened_collectives_compiled_equal_eager(rank_pool):
+    full = torch.randn(1, 4 * 2, 3).bfloat16()
+    wg, wh = torch.randn(2, 1, 8, 3), torch.randn(2, 1, 3 + 4, 3)
+    for eager, compiled in zip(rank_pool.run(fns.widened_fwd_bwd, 2, full, 3, wg, wh),
+                               rank_pool.run(fns.widened_fwd_bwd, 2, full, 3, wg, wh, True)):
+        for a, b in zip(eager, compiled):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(b.double(), a.double(), rtol=1e-2, atol=1e-2)
+
+
+def test_widened_results_need_a_floating_dtype_and_tensor():
+    ctx = PackedContext(torch.ones(1, 4, dtype=torch.long))
+    x = torch.ones(1, 4, 2, dtype=torch.bfloat16)
+    assert all_gather_sequence(x, ctx, dtype=torch.float32).dtype == torch.float32
+    assert with_left_halo(x.double(), ctx, 2, dtype=torch.float32).dtype == torch.float64
+    with pytest.raises(ValueError, match="dtype must be a floating dtype"):
+        all_gather_sequence(x, ctx, dtype=torch.int64)
+    with pytest.raises(TypeError, match="dtype must be a dtype"):
+        with_left_halo(x, ctx, 2, dtype="float32")
+    with pytest.raises(TypeError, match="tensor must be floating point"):
+        all_gather_sequence(torch.ones(1, 4, dtype=torch.long), ctx, dtype=torch.float32)
+
+
 # ------------------------------------------------------------------ graph shape (fake PG)
 @pytest.fixture
 def fake_group():
@@ -185,6 +209,23 @@ def test_graph_has_exactly_the_expected_collectives_and_no_sync(fake_group, name
             assert sum(op_name in o for o in collectives) == count, (kind, collectives)
         assert len(collectives) == sum(expected.values()), (kind, collectives)
         assert not [o for o in ops if any(s in o for s in SYNC_OPS)], (kind, ops)
+
+
+@pytest.mark.parametrize("name", ["gather", "halo"])
+def test_widened_collectives_send_bf16_forward_and_sum_fp32_backward(fake_group, name):
+    ctx = PackedContext(torch.ones(2, 32, dtype=torch.long), group=fake_group, cp_size=4,
+                        cp_rank=1)
+    fn = {
+        "gather": lambda x: all_gather_sequence(x, ctx, dtype=torch.float32),
+        "halo": lambda x: with_left_halo(x, ctx, 3, dtype=torch.float32),
+    }[name]
+    graphs = _capture(fn, torch.randn(2, 8, 3, dtype=torch.bfloat16, requires_grad=True))
+    assert len(graphs["fw"]) == 1 and len(graphs["bw"]) == 1
+    for kind, dtype in (("fw", torch.bfloat16), ("bw", torch.float32)):
+        sent = [n.args[0].meta["val"].dtype for gm in graphs[kind] for n in gm.graph.nodes
+                if n.op == "call_function" and "_c10d_functional" in str(n.target)
+                and "wait_tensor" not in str(n.target)]  # fmt: skip
+        assert sent == [dtype], (kind, sent)
 
 
 @pytest.mark.parametrize("rank", [0, 2])

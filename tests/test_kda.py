@@ -242,6 +242,24 @@ def test_input_validation():
         kda(*args, ctx.doc_ids)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_a_positive_log_decay_is_rejected_in_eager_mode_only(per_head):
+    """It used to return NaN without a word; compiled code reads no values (no host sync)."""
+    inputs = make_inputs(1, 8, 1, 2, 4, 4, seed=0)
+    if per_head:
+        inputs["g"] = inputs["g"][..., 0].clone()
+    inputs["g"][0, 5, 1] = 0.25  # a token of the first document grows the state
+    inputs["g"][0, 6, 0] = float("inf")  # non-finite values follow the isolation rule instead
+    ctx = PackedContext(torch.ones(1, 8, dtype=torch.long))
+    args = [inputs[n] for n in NAMES]
+    where = r"g\[0, 5, 1\]" if per_head else r"g\[0, 5, 1, 0\]"
+    with pytest.raises(ValueError, match=rf"must be <= 0, got {where} = 0.25"):
+        kda(*args, ctx, chunk_size=4)
+    torch._dynamo.reset()
+    out = torch.compile(kda, fullgraph=True, backend="aot_eager")(*args, ctx, chunk_size=4)
+    assert out.shape == (1, 8, 2, 4)
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.compile
 # ---------------------------------------------------------------------------------------------

@@ -126,12 +126,26 @@ def test_doc_ids_number_documents_as_nemo():
         (glm.doc_ids_from_cu_seqlens, (T([[0, 2, 4], [0, 1, 4]]), 4), "cu-seqlens"),
         (glm.segment_cu_seqlens, (T([[1, 1, 2]]),), "segment-row"),
         (glm.doc_ids_from_cu_seqlens, ([0, 2],), "non-tensor"),
+        (glm.doc_ids_from_cu_seqlens, (T([0, 2, 5]), 5.0), "seq-len"),  # NeMo's arange takes it
+        (glm.doc_ids_from_cu_seqlens, (T([0, 2, 5], device="meta"), 5), "meta"),
+        (glm.shard_batch_for_glm5_next_cp, (None, None, {"input_ids": T([[1, 2]], device="meta")}),
+         "meta"),
     ],
 )
 def test_documented_stricter_errors(fn, args, key):
     assert f"[{key}]" in glm.__doc__
     with pytest.raises((ValueError, TypeError)):
         fn(*args)
+
+
+@pytest.mark.parametrize("name", ["doc_ids_from_seq_lens", "doc_ids_from_cu_seqlens"])
+def test_a_negative_seq_len_raises_nemos_runtime_error_that_is_a_value_error(name):
+    arg = T([[2, 3]]) if name == "doc_ids_from_seq_lens" else T([0, 2, 5])
+    with pytest.raises(RuntimeError, match="seq_len=-1 must be >= 0") as ours:
+        getattr(glm, name)(arg, -1)
+    assert isinstance(ours.value, ValueError) and "[ranks]" in glm.__doc__
+    with pytest.raises(RuntimeError):  # NeMo 0.7.0's kind
+        getattr(_nemo(), name)(arg, -1)
 
 
 # ------------------------------------------------------------------ the context

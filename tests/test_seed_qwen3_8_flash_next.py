@@ -202,6 +202,13 @@ def test_sharder_positions_continue_into_the_padding():
         (dict(seq_lens=T([[3, 0, 2]])), ValueError, ("seq_lens", "[3, 0, 2]")),
         (dict(seq_lens=[4, 4]), TypeError, ("seq_lens", "[4, 4]")),
         (dict(position_ids=torch.zeros(1, 11).long()), ValueError, ("position_ids", "(1, 11)")),
+        # [stream-dtype] and [meta]: NeMo pads and slices float labels and positions
+        (dict(labels=torch.zeros(1, 12)), TypeError, ("labels", "float32")),
+        (dict(position_ids=torch.zeros(1, 12)), TypeError, ("position_ids", "float32")),
+        (dict(labels=torch.zeros(1, 12, dtype=torch.long, device="meta")), ValueError,
+         ("labels", "meta")),
+        (dict(cu_seqlens=T([0, 12], device="meta")), ValueError, ("cu_seqlens", "meta")),
+        (dict(attention_mask=[[1] * 12]), TypeError, ("attention_mask must",)),
     ],
 )
 def test_sharder_rejects_bad_batches_naming_them(change, error, names):
@@ -212,6 +219,10 @@ def test_sharder_rejects_bad_batches_naming_them(change, error, names):
         qwen.shard_batch_for_qwen3_8_flash_next_cp(None, None, batch)
     assert all(n in str(info.value) for n in names), str(info.value)
     assert batch.keys() == before.keys() and all(batch[k] is before[k] for k in batch)
+
+
+def test_stricter_checks_are_documented():
+    assert all(f"[{key}]" in qwen.__doc__ for key in ("stream-dtype", "meta", "ranks"))
 
 
 def test_sharder_errors_keep_nemos_kinds():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fcp
+from fcp.loss import loss_token_count
 from fcp.shard import gather_sequence, shard_batch
 from tests import _shard_rank_fns as fns
 
@@ -45,7 +46,8 @@ def test_thd_rows_get_a_batch_axis_and_embeddings_pad_with_zeros():
     local, ctx = shard_batch(None, batch, pad_multiple=4)
     assert local["inputs_embeds"].shape == (1, 8, 3)
     assert torch.equal(local["inputs_embeds"][0, 5:], torch.zeros(3, 3))
-    assert torch.equal(local["labels"], torch.tensor([[0, 1, 2, 3, 4, -100, -100, -100]]))
+    # the mask's pad tail (tokens 3, 4) trains no more than the CP padding
+    assert torch.equal(local["labels"], torch.tensor([[0, 1, 2, -100, -100, -100, -100, -100]]))
     assert local["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]]
     assert ctx.doc_ids.tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]]  # mask -> one doc + pad tail
 
@@ -108,7 +110,10 @@ IDS = torch.ones(1, 4, dtype=torch.long)
         ({"input_ids": IDS}, {"pad_multiple": 0}, ValueError, "pad_multiple=0"),
         ({"input_ids": IDS}, {"shard_primary": 1}, TypeError, "shard_primary"),
         ({"input_ids": torch.ones(1, 4, dtype=torch.bool)}, {}, TypeError, "input_ids .*torch.bool"),
-        ({"input_ids": torch.ones(1, 4)}, {}, TypeError, "input_ids must have an integer dtype"),
+        ({"input_ids": torch.ones(1, 4)}, {}, TypeError, "input_ids must be an integer dtype"),
+        ({"input_ids": IDS, "cu_seqlens": [0, 4]}, {}, TypeError, "cu_seqlens must be a torch.Tensor"),
+        ({"input_ids": IDS, "cu_seqlens": torch.tensor([0, 4], device="meta")}, {}, ValueError,
+         "cu_seqlens is a meta tensor"),
         ({"input_ids": IDS, "labels": torch.ones(1, 4)}, {}, TypeError, "labels .*torch.float32"),
         ({"input_ids": torch.ones(1, 4, dtype=torch.long, device="meta")}, {}, ValueError,
          "input_ids is a meta tensor"),
@@ -125,7 +130,8 @@ def test_rejects_bad_types_naming_the_argument(batch, kwargs, exc, match):
 def test_bad_batch_gives_the_same_error_on_every_rank(rank_pool):
     batch = {"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 3)}
     results = rank_pool.run(fns.shard_error, 2, batch, {})
-    assert results[0] == results[1] and results[0][0] == "TypeError" and "labels" in results[0][1]
+    assert results[0] == results[1] and results[0][0] == "ArgumentTypeError"
+    assert "labels" in results[0][1]
 
 
 def test_gather_gradients_flow_to_owning_ranks(rank_pool):
@@ -161,3 +167,128 @@ def test_top_level_exports():
     for name in ("shard_batch", "gather_sequence", "PackedContext", "all_gather_sequence",
                  "left_halo", "state_chain", "all_gather_backward_anchor", "PAD_DOC_ID"):
         assert hasattr(fcp, name), name
+
+
+# ------------------------------------------------------------------ ranks must agree
+def packed(lengths: list[int], total: int) -> dict:
+    """One packed row of ``total`` tokens: documents of ``lengths``, then a pad tail."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    ids = torch.arange(total)[None] + 1
+    return {"input_ids": ids, "labels": ids.clone(), "cu_seqlens": cu}
+
+
+SHARDERS = ["fcp", "glm", "qwen"]  # fcp.shard_batch and the two seed sharders
+
+
+def _disagree(rank_pool, world, batches, sharder, **kwargs):
+    res = rank_pool.run(fns.shard_own_batch, world, batches, sharder, kwargs, timeout=10)
+    assert all(r[0] == "ValueError" for r in res), res  # no rank returns normally
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sharder", SHARDERS)
+def test_ranks_with_different_maps_all_raise_naming_the_first_difference(rank_pool, sharder,
+                                                                        world):
+    good, bad = packed([10, 22], 32), packed([12, 20], 32)  # the same length, docs cut elsewhere
+    batches = [good] * world
+    batches[world - 1] = bad
+    res = _disagree(rank_pool, world, batches, sharder)
+    assert len({r[1] for r in res}) == 1  # the same message on every rank
+    msg = res[0][1]
+    assert "different document maps" in msg and f"rank {world - 1}'s differs" in msg, msg
+    assert "row 0, token 10 (doc id 1 vs 2" in msg, msg
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sharder", SHARDERS)
+def test_ranks_with_different_lengths_all_raise_naming_them(rank_pool, sharder, world):
+    batches = [packed([10, 22], 32)] * world
+    batches[1] = packed([10, 30], 40)
+    res = _disagree(rank_pool, world, batches, sharder)
+    assert len({r[1] for r in res}) == 1
+    assert "different lengths" in res[0][1] and "rank 1: 1 row(s) x 40 tokens" in res[0][1]
+
+
+@pytest.mark.parametrize("sharder", SHARDERS)
+def test_a_rank_rejecting_its_batch_makes_the_others_raise(rank_pool, sharder):
+    """A batch valid on rank 0 only: rank 1 raises its own error, rank 0 is told, nobody hangs."""
+    bad = dict(packed([10, 22], 32), cu_seqlens=torch.tensor([0, 20, 10, 32]))
+    res = _disagree(rank_pool, 2, [packed([10, 22], 32), bad], sharder)
+    assert "rank(s) [1] rejected their batch" in res[0][1], res
+    assert "rejected" not in res[1][1] and "cu_seqlens" in res[1][1], res
+
+
+def test_agreement_check_can_be_skipped(rank_pool):
+    batches = [packed([10, 22], 32), packed([12, 20], 32)]
+    res = rank_pool.run(fns.shard_own_batch, 2, batches, "fcp", {"check_agreement": False},
+                        timeout=10)  # fmt: skip
+    assert res == [("ok", 32), ("ok", 32)]
+
+
+# ------------------------------------------------------------------ padding never trains
+@pytest.mark.parametrize("world", [2, 4])
+def test_pad_tail_labels_and_loss_mask_are_ignored(rank_pool, world):
+    """44 real tokens in a 48-token row: 44 loss tokens (the pad tail's labels were counted)."""
+    batch = dict(packed([20, 24], 48), loss_mask=torch.ones(1, 48, dtype=torch.long))
+    res = rank_pool.run(fns.local_labels, world, batch, "fcp", timeout=10)
+    labels = torch.cat([r[0] for r in res], 1)
+    loss_mask = torch.cat([r[1] for r in res], 1)
+    assert sum(int(loss_token_count(r[0])) for r in res) == 44
+    assert labels[0, :44].tolist() == list(range(1, 45)) and (labels[0, 44:] == -100).all()
+    assert loss_mask[0].tolist() == [1] * 44 + [0] * (labels.shape[1] - 44)
+
+
+def test_pad_tail_labels_of_seq_lens_rows_are_ignored_unless_asked():
+    ones = torch.ones(2, 5, dtype=torch.long)
+    batch = {"input_ids": ones, "labels": ones, "seq_lens": torch.tensor([[2, 1], [4, -1000]])}
+    assert shard_batch(None, batch)[0]["labels"].tolist() == [[1, 1, 1, -100, -100],
+                                                             [1, 1, 1, 1, -100]]
+    kept = shard_batch(None, batch, ignore_padding=False, pad_multiple=2)[0]["labels"]
+    assert kept.tolist() == [[1] * 5 + [-100], [1] * 5 + [-100]]  # only the CP padding
+
+
+def test_seed_sharders_keep_nemos_labels_on_the_pad_tail(rank_pool):
+    batch = dict(packed([20, 24], 48), loss_mask=torch.ones(1, 48, dtype=torch.long))
+    res = rank_pool.run(fns.local_labels, 2, batch, "glm", timeout=10)
+    assert torch.cat([r[0] for r in res], 1).tolist() == [list(range(1, 49))]
+    assert torch.cat([r[1] for r in res], 1).tolist() == [[1] * 48]
+
+
+# ------------------------------------------------------------------ the three sharders agree
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return t.to("meta")
+
+
+BAD_INPUTS = {  # change to packed([3, 5], 8) -> (error type, message part naming the argument)
+    "float labels": (lambda b: {"labels": b["labels"].float()}, "ArgumentTypeError",
+                     "labels must be an integer dtype"),
+    "meta labels": (lambda b: {"labels": _meta(b["labels"])}, "ValueError",
+                    "labels is a meta tensor"),
+    "float position_ids": (lambda b: {"position_ids": torch.arange(8.0)[None]},
+                           "ArgumentTypeError", "position_ids must be an integer dtype"),
+    "meta input_ids": (lambda b: {"input_ids": _meta(b["input_ids"])}, "ValueError",
+                       "input_ids is a meta tensor"),
+    "meta cu_seqlens": (lambda b: {"cu_seqlens": _meta(b["cu_seqlens"])}, "ValueError",
+                        "cu_seqlens is a meta tensor"),
+    "meta seq_lens": (lambda b: {"cu_seqlens": None, "seq_lens": _meta(torch.tensor([[3, 5]]))},
+                      "ValueError", "seq_lens is a meta tensor"),
+    "list attention_mask": (lambda b: {"cu_seqlens": None, "attention_mask": [[1] * 8]},
+                            "ArgumentTypeError", "attention_mask must be a torch.Tensor"),
+    "meta attention_mask": (lambda b: {"cu_seqlens": None,
+                                       "attention_mask": _meta(torch.ones(1, 8))},
+                            "ValueError", "attention_mask is a meta tensor"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("sharder", SHARDERS)
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_the_three_sharders_reject_the_same_bad_inputs_naming_them(sharder, case):
+    """The Qwen sharder used to accept float and meta labels; meta packing tensors crashed all
+    three in ``Tensor.item()``; a list attention_mask was reported as ``mask``."""
+    change, kind, words = BAD_INPUTS[case]
+    batch = packed([3, 5], 8)
+    batch = {k: v for k, v in {**batch, **change(batch)}.items() if v is not None}
+    got = fns.shard_with(sharder, None, batch, {})
+    assert got[0] == kind and words in got[1], got
+

@@ -5,14 +5,16 @@
   NeMo's training loop hold), else :class:`ShardLayout`, a frozen dataclass with the same fields,
   defaults and order. NeMo is looked up on each call, never at import: importing it costs ~1.5 s
   and fcp does not depend on it.
-* :class:`UnsupportedBatchError` and :class:`MissingBatchKeyError` are the errors a seed sharder
-  raises where NeMo raises ``NotImplementedError`` / ``KeyError``: they are also ``ValueError`` s,
-  so code written against NeMo and code written against fcp's "every bad batch is a
-  ``ValueError`` or ``TypeError``" rule both catch them.
+* :class:`UnsupportedBatchError`, :class:`MissingBatchKeyError` and :class:`NegativeLengthError`
+  are the errors a seed adapter raises where NeMo raises ``NotImplementedError`` / ``KeyError`` /
+  ``RuntimeError``: they are also ``ValueError`` s, so code written against NeMo and code written
+  against fcp's "every bad batch is a ``ValueError`` or ``TypeError``" rule both catch them.
 
 >>> shard_layout(original_seq_len=5, padded_seq_len=8).padded_seq_len
 8
 >>> [issubclass(UnsupportedBatchError, e) for e in (NotImplementedError, ValueError)]
+[True, True]
+>>> [issubclass(NegativeLengthError, e) for e in (RuntimeError, ValueError)]
 [True, True]
 """
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["ShardLayout", "shard_layout", "shard_layout_class", "UnsupportedBatchError",
-           "MissingBatchKeyError"]  # fmt: skip
+           "MissingBatchKeyError", "NegativeLengthError"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,3 +71,7 @@ class UnsupportedBatchError(NotImplementedError, ValueError):
 
 class MissingBatchKeyError(KeyError, ValueError):
     """A batch lacks a key the sharder needs (NeMo raises ``KeyError``)."""
+
+
+class NegativeLengthError(RuntimeError, ValueError):
+    """A negative sequence length (NeMo's tensor constructors raise ``RuntimeError``)."""

@@ -59,9 +59,13 @@ version) and serves no context whose fields changed since, so assigning a field 
 Copies and pickles start with an empty memo.
 
 Stricter than NeMo (NeMo silently accepts these, or fails later or with another exception; fcp
-raises ``ValueError`` / ``TypeError`` naming the argument and value, before any collective and
-before touching the batch):
+raises ``ValueError`` / ``TypeError`` naming the argument and value, before any collective that
+depends on the batch and before touching the batch):
 
+* ``[ranks]`` CP ranks holding different batches (rows, length or document map), or some of them
+  rejecting theirs: every rank raises ``ValueError`` naming the ranks and what differs, after one
+  all-gather of 6 int64 per rank (:class:`fcp.shard.BatchAgreement`). NeMo runs on with
+  corrupted outputs (same length) or fails inside a collective on some ranks only.
 * ``[non-tensor]`` a list or other non-tensor where a tensor is expected (``seq_lens``,
   ``seq_lens_padded``, ``cu_seqlens``, ``_packed_seq_ids``, ``attention_mask``,
   ``padding_mask``, ``labels``, ``position_ids``, ``loss_mask``, ``doc_ids_row``): NeMo ignores it
@@ -104,6 +108,13 @@ before touching the batch):
   ``cp_size`` or whose rank does not own ``seq_start`` (NeMo lets FLA plan another layout).
 * ``[gather-shapes]`` ``all_gather_sequence`` of shards whose shapes differ between ranks (every
   rank raises instead of a gloo error or hang).
+* ``[meta]`` a meta tensor (no values) as ``input_ids``, a token stream, a mask, ``_packed_seq_ids``,
+  ``seq_lens`` or ``cu_seqlens``: ``ValueError`` naming it (NeMo fails inside with ``Tensor.item()
+  cannot be called on meta tensors`` or a ``nonzero`` error).
+* ``[seq-len]`` a float or bool ``seq_len`` of ``doc_ids_from_seq_lens`` /
+  ``doc_ids_from_cu_seqlens`` (NeMo's ``arange`` takes a float). A negative one raises
+  :class:`~fcp.models.compat.NegativeLengthError`, a ``RuntimeError`` as NeMo's and a
+  ``ValueError``.
 
 Kept from NeMo on purpose: ``padding_value`` is keyword-only; ``cp_group=None`` in the gathers means
 the default process group (``ValueError`` when none is initialised); an out-of-range row raises
@@ -136,8 +147,13 @@ from fcp.layout import (
 from fcp.layout import doc_ids_from_cu_seqlens as core_doc_ids_from_cu_seqlens
 from fcp.layout import doc_ids_from_seq_lens as core_doc_ids_from_seq_lens
 from fcp.layout import segment_cu_seqlens as core_segment_cu_seqlens
-from fcp.models.compat import MissingBatchKeyError, shard_layout, shard_layout_class
-from fcp.shard import pad_sequence_dim, shard_batch
+from fcp.models.compat import (
+    MissingBatchKeyError,
+    NegativeLengthError,
+    shard_layout,
+    shard_layout_class,
+)
+from fcp.shard import BatchAgreement, check_stream, pad_sequence_dim, shard_batch
 
 #: Document id of padding tokens.
 _PAD_DOC_ID = PAD_DOC_ID
@@ -408,6 +424,14 @@ class Glm5NextPackedContext:
 # ---------------------------------------------------------------------------------------------
 # document maps
 # ---------------------------------------------------------------------------------------------
+def _sequence_length(seq_len: Any, fn: str) -> int:
+    """``seq_len`` as an int >= 0; negative: :class:`NegativeLengthError`, NeMo's RuntimeError."""
+    seq_len = check_int(seq_len, "seq_len", fn=fn)
+    if seq_len < 0:
+        raise NegativeLengthError(f"{fn}: seq_len={seq_len} must be >= 0")
+    return seq_len
+
+
 def doc_ids_from_seq_lens(
     seq_lens: torch.Tensor, seq_len: int, *, padding_value: int = SEQ_LENS_SENTINEL
 ) -> torch.Tensor:
@@ -419,6 +443,7 @@ def doc_ids_from_seq_lens(
 
     Example: ``doc_ids_from_seq_lens(tensor([2, 0, 2]), 5) -> [[1, 1, 3, 3, 0]]``.
     """
+    seq_len = _sequence_length(seq_len, "doc_ids_from_seq_lens")
     ids = core_doc_ids_from_seq_lens(seq_lens, seq_len, padding_value)
     lens = seq_lens if seq_lens.dim() == 2 else seq_lens.unsqueeze(0)
     # Core ids count non-empty documents; NeMo's count every slot. k-th non-empty -> its slot.
@@ -439,7 +464,8 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Ten
 
     Example: ``doc_ids_from_cu_seqlens(tensor([0, 2, 2, 5, -1]), 6) -> [[1, 1, 3, 3, 3, 0]]``.
     """
-    cu = check_tensor(cu_seqlens, "cu_seqlens")
+    seq_len = _sequence_length(seq_len, "doc_ids_from_cu_seqlens")
+    cu = check_tensor(cu_seqlens, "cu_seqlens", values=True)
     if cu.dim() == 2 and cu.shape[0] == 1:
         cu = cu[0]
     if cu.dim() == 1 and not (cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool):
@@ -467,7 +493,7 @@ def segment_cu_seqlens(doc_ids_row: torch.Tensor) -> torch.Tensor:
     int32 ``[runs + 1]`` from 0 to ``sequence`` on the row's device (the pad tail is its own run);
     an empty row gives ``[0]``. :func:`fcp.layout.segment_cu_seqlens` of a 1-D integer row.
     """
-    row = check_tensor(doc_ids_row, "doc_ids_row")
+    row = check_tensor(doc_ids_row, "doc_ids_row", values=True)
     if row.dim() != 1:
         raise ValueError(f"doc_ids_row must be 1-D [sequence], got shape {tuple(row.shape)}")
     return core_segment_cu_seqlens(row).to(torch.int32)
@@ -651,11 +677,11 @@ def _resolve_doc_ids(
     rows = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
     if batch.get("_packed_seq_ids") is not None:
         name = "_packed_seq_ids"
-        raw = check_tensor(batch[name], name)
+        raw = check_tensor(batch[name], name, values=True)
         raw = _id_map(raw.unsqueeze(0) if raw.dim() == 1 else raw, name)
     elif batch.get("attention_mask") is not None:
         name = "attention_mask"
-        raw = check_tensor(batch[name], name)
+        raw = check_tensor(batch[name], name, values=True)
         if raw.dim() != 2:
             raise ValueError(
                 f"attention_mask has shape {tuple(raw.shape)}; GLM CP reads a 2-D [batch, "
@@ -672,7 +698,7 @@ def _resolve_doc_ids(
         )
     elif batch.get("seq_lens_padded", batch.get("seq_lens")) is not None:
         name = "seq_lens_padded" if batch.get("seq_lens_padded") is not None else "seq_lens"
-        raw = doc_ids_from_seq_lens(check_tensor(batch[name], name), seq_len)
+        raw = doc_ids_from_seq_lens(check_tensor(batch[name], name, values=True), seq_len)
     elif batch.get("cu_seqlens") is not None:
         name = "cu_seqlens"
         raw = doc_ids_from_cu_seqlens(batch[name], seq_len)
@@ -682,7 +708,7 @@ def _resolve_doc_ids(
         name, pad = "padding_mask", batch.get("padding_mask")
         raw = torch.ones(rows, seq_len, dtype=torch.int32, device=ids.device)
         if pad is not None:
-            _stream_shape(check_tensor(pad, name), name, rows, seq_len)
+            _stream_shape(check_tensor(pad, name, values=True), name, rows, seq_len)
             raw = raw.masked_fill(pad.bool(), PAD_DOC_ID)
         else:
             name = "input_ids"
@@ -735,45 +761,52 @@ def shard_batch_for_glm5_next_cp(
 
     Raises:
         ValueError / TypeError (``KeyError`` too for a missing ``input_ids``): a malformed batch,
-        identically on every rank, before the batch is touched.
+        identically on every rank, before the batch is touched; ``ValueError`` on every rank when
+        the CP ranks hold different batches ([ranks] in the module docstring).
     """
     del tp_mesh
-    check_instance(batch, MutableMapping, "batch", fn="shard_batch_for_glm5_next_cp")
-    if "input_ids" not in batch:
-        raise MissingBatchKeyError("input_ids")
-    rows = _thd_rows(batch)
-    work = {**batch, **rows}
-    ids = check_tensor(work["input_ids"], "input_ids")
-    if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() or ids.shape[1] == 0:
-        raise ValueError(
-            f"input_ids must be a non-empty integer [batch, sequence] tensor, got shape "
-            f"{tuple(ids.shape)} dtype {ids.dtype}"
-        )
-    n_rows, seq_len = ids.shape
-    raw, doc_ids = _resolve_doc_ids(work, seq_len)
+    # every CP rank joins one exchange, so ranks holding different batches all raise
+    with BatchAgreement(cp_mesh, "shard_batch_for_glm5_next_cp") as agreement:
+        check_instance(batch, MutableMapping, "batch", fn="shard_batch_for_glm5_next_cp")
+        if "input_ids" not in batch:
+            raise MissingBatchKeyError("input_ids")
+        rows = _thd_rows(batch)
+        work = {**batch, **rows}
+        ids = check_tensor(work["input_ids"], "input_ids", values=True)
+        if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() or ids.shape[1] == 0:
+            raise ValueError(
+                f"input_ids must be a non-empty integer [batch, sequence] tensor, got shape "
+                f"{tuple(ids.shape)} dtype {ids.dtype}"
+            )
+        n_rows, seq_len = ids.shape
+        raw, doc_ids = _resolve_doc_ids(work, seq_len)
 
-    core_batch: dict[str, Any] = {"input_ids": ids, "doc_ids": doc_ids}
-    if work.get("labels") is not None:
-        core_batch["labels"] = check_tensor(work["labels"], "labels")
-    positions = work.get("position_ids")
-    one_row = False
-    if "position_ids" not in work:
-        positions = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand_as(ids)
-    if positions is not None:
-        positions = check_tensor(positions, "position_ids")
-        one_row = positions.dim() == 2 and positions.shape[0] == 1 and n_rows > 1
-        core_batch["position_ids"] = positions.expand(n_rows, -1) if one_row else positions
-    padding_mask = work.get("padding_mask")
-    if padding_mask is not None:
-        _stream_shape(check_tensor(padding_mask, "padding_mask"), "padding_mask", n_rows, seq_len)
-    local, core = shard_batch(
-        cp_mesh,
-        core_batch,
-        loss_mask=loss_mask,
-        padding_token_id=padding_token_id,
-        pad_multiple=1,
-        shard_primary=shard_primary,
-    )
+        core_batch: dict[str, Any] = {"input_ids": ids, "doc_ids": doc_ids}
+        if work.get("labels") is not None:
+            core_batch["labels"] = check_stream("labels", work["labels"])
+        positions = work.get("position_ids")
+        one_row = False
+        if "position_ids" not in work:
+            positions = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand_as(ids)
+        if positions is not None:
+            positions = check_stream("position_ids", positions)
+            one_row = positions.dim() == 2 and positions.shape[0] == 1 and n_rows > 1
+            core_batch["position_ids"] = positions.expand(n_rows, -1) if one_row else positions
+        padding_mask = work.get("padding_mask")
+        if padding_mask is not None:
+            check_tensor(padding_mask, "padding_mask", values=True)
+            _stream_shape(padding_mask, "padding_mask", n_rows, seq_len)
+        local, core = shard_batch(
+            cp_mesh,
+            core_batch,
+            loss_mask=loss_mask,
+            padding_token_id=padding_token_id,
+            pad_multiple=1,
+            shard_primary=shard_primary,
+            ignore_padding=False,  # NeMo's contract: the batch's own labels stay as given
+            check_agreement=False,  # checked here, after the validation above
+        )
+        agreement.check(core.doc_ids, seq_len)
     pad = core.global_seq_len - seq_len
     context = Glm5NextPackedContext._of_core(core, pad_sequence_dim(raw, pad, PAD_DOC_ID))
 

@@ -49,8 +49,13 @@ checks (host syncs) run when the tensors have data, i.e. not while tracing.
 
 Stricter than NeMo (NeMo silently accepts these, or fails later or with another exception; fcp
 raises ``ValueError`` / ``TypeError`` naming the argument and value, identically on every rank,
-before any collective and before touching the batch; NeMo mutates the batch before some errors):
+before any collective that depends on the batch and before touching the batch; NeMo mutates the
+batch before some errors):
 
+* ``[ranks]`` CP ranks holding different batches (rows, length or document map), or some of them
+  rejecting theirs: every rank raises ``ValueError`` naming the ranks and what differs, after one
+  all-gather of 6 int64 per rank (:class:`fcp.shard.BatchAgreement`). NeMo runs on with
+  corrupted outputs (same length) or fails inside a collective on some ranks only.
 * ``[non-tensor]`` a list or other non-tensor where a tensor is expected (``cu_seqlens``,
   ``seq_lens``, masks, ``labels``, ``position_ids``, ``loss_mask``, the context's tensors):
   NeMo raises ``AttributeError`` or ignores it.
@@ -76,6 +81,12 @@ before any collective and before touching the batch; NeMo mutates the batch befo
   object with ``size()`` / ``get_group()`` / ``get_local_rank()``).
 * ``[gather-shape]`` an all-gather whose sequence axis is neither the local length nor a whole
   fraction of it.
+* ``[stream-dtype]`` float or bool ``labels`` in the batch, float or bool ``position_ids`` (NeMo
+  pads and slices them; ``fcp.shard_batch`` and the GLM sharder reject them too). A loss mask
+  serving as labels (no ``labels`` key) keeps its dtype, as in NeMo.
+* ``[meta]`` a meta tensor (no values) as ``input_ids``, ``labels``, ``position_ids``,
+  ``loss_mask``, a mask, ``seq_lens`` or ``cu_seqlens``: ``ValueError`` naming it (NeMo fails
+  inside, e.g. ``Tensor.item() cannot be called on meta tensors``).
 
 Relaxed on purpose: ``cp_mesh=None`` (or a one-rank group) means no CP, where NeMo needs a mesh
 object even at size one; a 1-D ``loss_mask`` is taken as ``[1, sequence]``.
@@ -107,7 +118,7 @@ from fcp.models.compat import (
     shard_layout_class,
 )
 from fcp.pytree import has_data, register_frozen_pytree
-from fcp.shard import pad_sequence_dim, shard_batch
+from fcp.shard import BatchAgreement, check_stream, pad_sequence_dim, shard_batch
 
 __all__ = [
     "Qwen3_8_FlashNextCPContext",
@@ -140,7 +151,7 @@ def _is_binary(t: torch.Tensor) -> bool:
 
 def _boundaries(cu: Any, name: str) -> torch.Tensor:
     """``cu`` as int64 ``[n]`` boundaries: a 1-D (or one-row) integer tensor, else an error."""
-    cu = check_tensor(cu, name, kind="int")
+    cu = check_tensor(cu, name, kind="int", values=True)
     if cu.dim() == 2 and cu.shape[0] == 1:
         cu = cu[0]
     if cu.dim() != 1:
@@ -485,17 +496,22 @@ def _validate_right_tail_mask(mask: torch.Tensor, input_ids: torch.Tensor) -> to
             a right tail (:func:`fcp.layout.validate_right_tail_mask`).
         ValueError: values other than 0 / 1.
     """
-    mask = check_tensor(mask, "mask")
+    return _right_tail_valid(mask, input_ids, "mask")
+
+
+def _right_tail_valid(mask: Any, input_ids: torch.Tensor, name: str) -> torch.Tensor:
+    """:func:`_validate_right_tail_mask`, its errors naming the batch key ``name``."""
+    mask = check_tensor(mask, name, values=True)
     if mask.dim() != 2 or mask.shape != input_ids.shape:
         raise UnsupportedBatchError(
             "Qwen3.8-Flash-Next CP requires a non-packed [batch, sequence] attention/padding "
-            f"mask; got mask={tuple(mask.shape)}, input_ids={tuple(input_ids.shape)}"
+            f"mask; got {name}={tuple(mask.shape)}, input_ids={tuple(input_ids.shape)}"
         )
     mask = mask.to(device=input_ids.device)
     if not _is_binary(mask):
         raise ValueError("Qwen3.8-Flash-Next CP masks must contain only binary 0/1 values")
     try:
-        return validate_right_tail_mask(mask, like=input_ids, name="mask")
+        return validate_right_tail_mask(mask, like=input_ids, name=name)
     except ValueError as err:  # binary and shaped: only the right-tail check can fail
         raise UnsupportedBatchError(
             f"Qwen3.8-Flash-Next CP supports only right-tail padding ({err}); left padding, "
@@ -508,15 +524,15 @@ def _valid_tokens(batch: MutableMapping[str, Any], ids: torch.Tensor) -> torch.T
     attention, padding = batch.get("attention_mask"), batch.get("padding_mask")
 
     def padding_valid() -> torch.Tensor:  # padding_mask: 1 = pad
-        pad = check_tensor(padding, "padding_mask")
+        pad = check_tensor(padding, "padding_mask", values=True)
         if not _is_binary(pad):
             raise ValueError(
                 "Qwen3.8-Flash-Next CP padding_mask must contain only binary 0/1 values"
             )
-        return _validate_right_tail_mask(pad.logical_not(), ids)
+        return _right_tail_valid(pad.logical_not(), ids, "~padding_mask")
 
     if attention is not None:
-        valid = _validate_right_tail_mask(attention, ids)
+        valid = _right_tail_valid(attention, ids, "attention_mask")
         if padding is not None and not torch.equal(valid, padding_valid()):
             raise ValueError("Qwen3.8-Flash-Next CP attention_mask and padding_mask disagree")
         return valid
@@ -530,7 +546,7 @@ def _positions(batch: MutableMapping[str, Any], ids: torch.Tensor) -> torch.Tens
     rows, seq_len = ids.shape
     if "position_ids" not in batch:
         return torch.arange(seq_len, device=ids.device).unsqueeze(0).expand(rows, -1).contiguous()
-    pos = check_tensor(batch["position_ids"], "position_ids")
+    pos = check_stream("position_ids", batch["position_ids"])
     if pos.dim() == 2 and pos.shape[1] == seq_len and pos.shape[0] in (1, rows):
         return pos.expand(rows, -1).contiguous() if pos.shape[0] != rows else pos
     if pos.dim() == 3 and tuple(pos.shape[1:]) == (rows, seq_len):
@@ -582,79 +598,87 @@ def shard_batch_for_qwen3_8_flash_next_cp(
         ``batch`` holds this rank's token tensors and the replicated
         :class:`Qwen3_8_FlashNextCPContext` under ``"_qwen3_8_flash_next_cp_context"``.
     """
-    check_instance(batch, MutableMapping, "batch", fn="shard_batch_for_qwen3_8_flash_next_cp")
-    if mesh_size(tp_mesh) > 1:
-        raise UnsupportedBatchError(
-            "Qwen3.8-Flash-Next context parallelism cannot be composed with tensor parallelism"
-        )
-    cu = batch.get("cu_seqlens")
-    if cu is None and batch.get("seq_lens") is not None:
-        if "input_ids" not in batch:
-            raise MissingBatchKeyError("input_ids")
-        total = check_tensor(batch["input_ids"], "input_ids").shape[-1]
-        cu = packed_boundaries_from_seq_lens(check_tensor(batch["seq_lens"], "seq_lens"),
-                                             total_tokens=total)  # fmt: skip
-    unsupported = [k for k in _UNSUPPORTED_PACKED_KEYS if batch.get(k) is not None]
-    if unsupported or (batch.get("qkv_format") == "thd" and cu is None):
-        raise UnsupportedBatchError(
-            "Qwen3.8-Flash-Next packed context parallelism supports only cu_seqlens document "
-            f"boundaries; got unsupported keys {unsupported}"
-        )
-    if "input_ids" not in batch or "inputs_embeds" in batch:
-        raise UnsupportedBatchError(
-            "Qwen3.8-Flash-Next context parallelism requires raw input_ids as the sole primary "
-            "stream for PLE hashing"
-        )
-    ids = check_tensor(batch["input_ids"], "input_ids")
-    if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            "Qwen3.8-Flash-Next CP input_ids must be an int32/int64 [batch, sequence] tensor; "
-            f"got shape={tuple(ids.shape)}, dtype={ids.dtype}"
-        )
-    rows, seq_len = ids.shape
-    if seq_len == 0:
-        raise ValueError("Qwen3.8-Flash-Next context parallelism requires a non-empty sequence")
-    check_int(pad_multiple, "pad_multiple", 2, fn="shard_batch_for_qwen3_8_flash_next_cp")
-    if cu is not None:
-        if rows != 1:
-            raise ValueError(
-                f"Qwen3.8-Flash-Next packed CP requires a THD batch of one row, got batch={rows}"
+    # every CP rank joins one exchange, so ranks holding different batches all raise
+    with BatchAgreement(cp_mesh, "shard_batch_for_qwen3_8_flash_next_cp") as agreement:
+        check_instance(batch, MutableMapping, "batch", fn="shard_batch_for_qwen3_8_flash_next_cp")
+        if mesh_size(tp_mesh) > 1:
+            raise UnsupportedBatchError(
+                "Qwen3.8-Flash-Next context parallelism cannot be composed with tensor parallelism"
             )
-        cu = _boundaries(cu, "cu_seqlens")
-        if _bad_boundaries(cu) or int(cu[-1]) != seq_len:
-            raise ValueError(
-                f"cu_seqlens = {cu.tolist()} must start at 0, be strictly increasing and end at "
-                f"the packed token count {seq_len}"
+        cu = batch.get("cu_seqlens")
+        if cu is None and batch.get("seq_lens") is not None:
+            if "input_ids" not in batch:
+                raise MissingBatchKeyError("input_ids")
+            total = check_tensor(batch["input_ids"], "input_ids", values=True).shape[-1]
+            seq_lens = check_tensor(batch["seq_lens"], "seq_lens", values=True)
+            cu = packed_boundaries_from_seq_lens(seq_lens,
+                                                 total_tokens=total)  # fmt: skip
+        unsupported = [k for k in _UNSUPPORTED_PACKED_KEYS if batch.get(k) is not None]
+        if unsupported or (batch.get("qkv_format") == "thd" and cu is None):
+            raise UnsupportedBatchError(
+                "Qwen3.8-Flash-Next packed context parallelism supports only cu_seqlens document "
+                f"boundaries; got unsupported keys {unsupported}"
             )
-        if batch.get("attention_mask") is not None or batch.get("padding_mask") is not None:
-            raise ValueError(
-                "Qwen3.8-Flash-Next packed CP takes document boundaries from cu_seqlens; masks "
-                "are unsupported"
+        if "input_ids" not in batch or "inputs_embeds" in batch:
+            raise UnsupportedBatchError(
+                "Qwen3.8-Flash-Next context parallelism requires raw input_ids as the sole primary "
+                "stream for PLE hashing"
             )
-        cu = cu.to(ids.device)
-    valid = _valid_tokens(batch, ids)
-    labels = batch.get("labels")
-    if labels is None and loss_mask is None:
-        raise MissingBatchKeyError(
-            "Context parallelism requires `labels` in the batch, or labels passed as `loss_mask`."
-        )
-    if labels is not None:
-        labels = check_tensor(labels, "labels")
-    else:  # NeMo's protocol: the loss mask serves as labels (padded with -100)
-        labels, loss_mask = check_tensor(loss_mask, "loss_mask"), None
-    if tuple(labels.shape) != (rows, seq_len):
-        raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {(rows, seq_len)}")
-    positions = _positions(batch, ids)
+        ids = check_tensor(batch["input_ids"], "input_ids", values=True)
+        if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                "Qwen3.8-Flash-Next CP input_ids must be an int32/int64 [batch, sequence] tensor; "
+                f"got shape={tuple(ids.shape)}, dtype={ids.dtype}"
+            )
+        rows, seq_len = ids.shape
+        if seq_len == 0:
+            raise ValueError("Qwen3.8-Flash-Next context parallelism requires a non-empty sequence")
+        check_int(pad_multiple, "pad_multiple", 2, fn="shard_batch_for_qwen3_8_flash_next_cp")
+        if cu is not None:
+            if rows != 1:
+                raise ValueError(
+                    "Qwen3.8-Flash-Next packed CP requires a THD batch of one row, got "
+                    f"batch={rows}"
+                )
+            cu = _boundaries(cu, "cu_seqlens")
+            if _bad_boundaries(cu) or int(cu[-1]) != seq_len:
+                raise ValueError(
+                    f"cu_seqlens = {cu.tolist()} must start at 0, be strictly increasing and end "
+                    f"at the packed token count {seq_len}"
+                )
+            if batch.get("attention_mask") is not None or batch.get("padding_mask") is not None:
+                raise ValueError(
+                    "Qwen3.8-Flash-Next packed CP takes document boundaries from cu_seqlens; "
+                    "masks are unsupported"
+                )
+            cu = cu.to(ids.device)
+        valid = _valid_tokens(batch, ids)
+        labels = batch.get("labels")
+        if labels is None and loss_mask is None:
+            raise MissingBatchKeyError(
+                "Context parallelism requires `labels` in the batch, or labels passed as "
+                "`loss_mask`."
+            )
+        if labels is not None:
+            labels = check_stream("labels", labels)
+        else:  # NeMo's protocol: the loss mask serves as labels (padded with -100)
+            labels, loss_mask = check_tensor(loss_mask, "loss_mask", values=True), None
+        if tuple(labels.shape) != (rows, seq_len):
+            raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {(rows, seq_len)}")
+        positions = _positions(batch, ids)
 
-    core_batch = {"input_ids": ids}
-    core_batch.update({"cu_seqlens": cu} if cu is not None else {"attention_mask": valid})
-    local, core = shard_batch(
-        cp_mesh,
-        core_batch,
-        loss_mask=loss_mask,
-        padding_token_id=padding_token_id,
-        pad_multiple=pad_multiple,
-    )
+        core_batch = {"input_ids": ids}
+        core_batch.update({"cu_seqlens": cu} if cu is not None else {"attention_mask": valid})
+        local, core = shard_batch(
+            cp_mesh,
+            core_batch,
+            loss_mask=loss_mask,
+            padding_token_id=padding_token_id,
+            pad_multiple=pad_multiple,
+            ignore_padding=False,  # NeMo's contract: the loss mask stays as given
+            check_agreement=False,  # checked here, after the validation above
+        )
+        agreement.check(core.doc_ids, seq_len)
     pad = core.global_seq_len - seq_len
     pos_dim = positions.dim() - 1
     global_ids = pad_sequence_dim(ids, pad, padding_token_id)

@@ -5,7 +5,7 @@
 * the all-gathered block means ``blocks [batch, nc, kv_heads, D + Dv]`` (only the ``nc`` blocks
   that end before ``seq_end``, the only ones any local query can see), their doc ids
   (``OUTSIDE`` for a block mixing documents) and indices;
-* the exact window: the ``window - 1`` tokens before the shard (:func:`fcp.comm.left_halo`)
+* the exact window: the ``window - 1`` tokens before the shard (:func:`fcp.comm.with_left_halo`)
   followed by the shard, ``ext [batch, window - 1 + local, kv_heads, D + Dv]``, and their doc ids.
 """
 
@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from fcp.comm import all_gather_sequence, left_halo
+from fcp.comm import all_gather_sequence, with_left_halo
 from fcp.context import PackedContext
 from fcp.ops.kit.common import compute_dtype
 from fcp.ops.kit.masks import doc_ids_window, full_block_doc_ids
@@ -45,15 +45,15 @@ def compressed_keys(k, v, context: PackedContext, ratio: int, window: int) -> Co
     """The keys of compressed attention for this rank's queries (see the module docstring)."""
     kv = torch.cat([k, v], -1)
     start, end, local = context.seq_start, context.seq_end, context.local_seq_len
-    gathered = all_gather_sequence(compress_blocks(kv, ratio), context)
+    gathered = all_gather_sequence(compress_blocks(kv, ratio), context, dtype=torch.float32)
     nc = min(max(end - 1, 0) // ratio, gathered.shape[1])
-    halo = left_halo(kv, context, window - 1)
+    ext = with_left_halo(kv, context, window - 1, dtype=torch.float32)  # fp32 backward sums
     return CompressedKeys(
         blocks=gathered[:, :nc],
         block_doc=full_block_doc_ids(context.doc_ids, ratio, nc),
         block_index=torch.arange(nc, device=k.device),
-        ext=torch.cat([halo, kv], 1) if window > 1 else kv,
+        ext=ext,
         ext_doc=doc_ids_window(context.doc_ids, start - (window - 1), local + window - 1),
-        halo=halo,
+        halo=ext[:, : window - 1],
         gathered=gathered,
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fcp.comm import left_halo
+from fcp.comm import with_left_halo
 from fcp.context import PackedContext
 from fcp.layout import doc_ids_window
 from fcp.ops.kit.common import compute_dtype
@@ -34,7 +34,7 @@ def short_conv_masked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     width = weight.shape[1]
     history = (width - 1) * dilation
     dt = compute_dtype(x, weight)  # fp32 accumulation; fp64 stays fp64
-    xx = torch.cat([left_halo(x, context, history), x], 1).to(dt)
+    xx = with_left_halo(x, context, history, dtype=dt)  # the backward sums halo grads in dt
     # halo + shard doc ids; positions before the global start match no token
     start, length = context.seq_start - history, history + context.local_seq_len
     doc = doc_ids_window(context.doc_ids, start, length)

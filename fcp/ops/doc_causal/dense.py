@@ -22,7 +22,7 @@ __all__ = ["doc_causal_dense"]
 def doc_causal_dense(q, k, v, context: PackedContext, scale: float) -> torch.Tensor:
     """``[batch, local_seq, heads, Dv]`` (arguments checked by the dispatcher)."""
     dk, end = k.shape[-1], context.seq_end
-    kv = all_gather_sequence(torch.cat([k, v], -1), context)
+    kv = all_gather_sequence(torch.cat([k, v], -1), context, dtype=torch.float32)
     keys = kv[:, :end]
     k_pos = torch.arange(end, device=q.device)
     mask = doc_causal_mask(context.local_doc_ids, query_positions(context, q.device),

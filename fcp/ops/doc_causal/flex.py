@@ -20,7 +20,7 @@ __all__ = ["doc_causal_flex"]
 def doc_causal_flex(q, k, v, context: PackedContext, scale: float) -> torch.Tensor:
     """``[batch, local_seq, heads, Dv]`` (arguments checked by the dispatcher)."""
     dk, start, end = k.shape[-1], context.seq_start, context.seq_end
-    kv = all_gather_sequence(torch.cat([k, v], -1), context)
+    kv = all_gather_sequence(torch.cat([k, v], -1), context, dtype=torch.float32)
     keys = kv[:, :end]
     k_pos = torch.arange(end, device=q.device)
     lo = k_pos - start  # the local query index from which key s is visible

@@ -212,7 +212,8 @@ def index_attention_gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     end, dk = context.seq_end, k.shape[-1]
     common = torch.promote_types(k.dtype, v.dtype)
     if kv == "local":
-        gathered = all_gather_sequence(torch.cat([k.to(common), v.to(common)], -1), context)
+        gathered = all_gather_sequence(torch.cat([k.to(common), v.to(common)], -1), context,
+                                       dtype=torch.float32)  # fp32 K/V grads summed
         received = [gathered]
         kv_all = gathered[:, :end]  # keys after this rank's queries are never selected
     else:

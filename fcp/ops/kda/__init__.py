@@ -20,6 +20,7 @@ from fcp.checks import check_power_of_two, check_tensor
 from fcp.context import PackedContext, check_context
 from fcp.ops.kda.chunked import kda_chunked
 from fcp.ops.kit.common import choose_backend, default_scale, finite_or_zero, zero_nonfinite_grad
+from fcp.pytree import has_data
 
 __all__ = ["BACKENDS", "check_kda_inputs", "kda"]
 
@@ -30,7 +31,19 @@ BACKENDS = ("chunked", "fla", "fla_varlen")
 
 
 def check_kda_inputs(q, k, v, g, beta, local_len: int | None, batch: int | None) -> None:
-    """Types and shapes of :func:`kda`'s tensors (the :mod:`fcp.checks` rule, naming the tensor)."""
+    """Types and shapes of :func:`kda`'s tensors (the :mod:`fcp.checks` rule, naming the tensor),
+    and, in eager mode on tensors with data, that the log decay ``g`` is ``<= 0``.
+
+    The ``g`` check reads values (one host synchronisation), so it is skipped while compiling and
+    for tensors without data (:func:`fcp.pytree.has_data`): a compiled region never
+    synchronises. Non-finite entries are left to the isolation rule (:mod:`fcp.ops.kit.common`).
+
+    >>> x, beta = torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1)
+    >>> check_kda_inputs(x, x, x, torch.tensor([[[0.0], [0.5]]]), beta, None, None)
+    Traceback (most recent call last):
+    ...
+    ValueError: kda: g is a log decay and must be <= 0, got g[0, 1, 0] = 0.5 ...
+    """
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_tensor(t, name, fn="kda", kind="float")
     if q.dim() != 4 or k.shape != q.shape:
@@ -51,6 +64,15 @@ def check_kda_inputs(q, k, v, g, beta, local_len: int | None, batch: int | None)
         )
     if beta.shape != (b, t, hv):
         raise ValueError(f"kda: beta must be [{b}, {t}, {hv}], got {tuple(beta.shape)}")
+    if has_data(g):
+        growing = (g > 0) & (g != float("inf"))  # a positive finite log decay: the state grows
+        if bool(growing.any()):
+            hit = tuple(growing.nonzero()[0].tolist())
+            raise ValueError(
+                f"kda: g is a log decay and must be <= 0, got g[{', '.join(map(str, hit))}] = "
+                f"{g[hit].item()} (a positive g makes the state grow and the output overflow to "
+                "NaN; e.g. pass -softplus(x) or log(sigmoid(x)))"
+            )
     if local_len is not None and t != local_len:
         raise ValueError(f"kda: seq={t} != context.local_seq_len={local_len}")
     if batch is not None and b != batch:
@@ -68,8 +90,9 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
             (GVA: value head ``j`` uses q/k head ``j // (value_heads // heads)``, i.e. q and k
             are ``repeat_interleave``-d, as in transformers' Qwen3-Next and NeMo's Gated
             DeltaNet layers; pass q/k un-repeated).
-        g: log decay (natural log, <= 0; no overflow whatever the decay: exponents are always
-            <= 0; tested with -8, 0 and -40 per token), either
+        g: log decay (natural log, <= 0, checked in eager mode: ``ValueError`` naming the first
+            positive entry; no overflow whatever the decay: exponents are always <= 0; tested
+            with -8, 0 and -40 per token), either
             ``[batch, local_seq, value_heads, K]``, one per key dimension (KDA: ``S <-
             diag(exp(g_t)) S``), or ``[batch, local_seq, value_heads]``, one per head (Gated
             DeltaNet: ``S <- exp(g_t) S``). A per-head gate is the same recurrence as that gate

@@ -112,7 +112,9 @@ class IndexedMlaMixer(MlaMixer):
                     prev_topk_indices=None, **_):  # fmt: skip
         q, q_resid = self.fcp_query(hidden_states)
         latent, _ = self.fcp_latent(hidden_states)
-        latent = all_gather_sequence(latent, ctx)  # [B, S, r]: the smallest thing K/V come from
+        # [B, S, r]: the smallest thing K/V come from; bf16 on the wire, the ranks' partial
+        # gradients summed in fp32 (fcp.comm.all_gather_sequence's dtype=)
+        latent = all_gather_sequence(latent, ctx, dtype=torch.float32).to(latent.dtype)
         k, v = self.fcp_expand(latent, None)
         if self.indexer is not None:
             topk = self.fcp_select(hidden_states, q_resid, ctx)
