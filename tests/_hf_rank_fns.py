@@ -76,18 +76,23 @@ def packed_forward_backward(env, family, config, state_dict, batch, cotangent):
     return out.detach(), grads, ctx.interval
 
 
-def references(configs: dict, lengths: list[int], hidden: int, seed: int) -> dict:
+def references(configs: dict, lengths: list[int], hidden: int, seed: int,
+               families: dict | None = None) -> dict:  # fmt: skip
     """``{family: reference}`` for ``configs`` (``{family: config}``): one pool of random
     documents of ``lengths`` and cotangents ``[n, hidden]`` shared by all families, each
     family's initial state dict, and transformers' per-document outputs and gradients
-    (:func:`~tests.support.hf_reference.per_document_jobs`, one subprocess for all)."""
+    (:func:`~tests.support.hf_reference.per_document_jobs`, one subprocess for all).
+    ``families`` maps a key of ``configs`` that is not a family name (a configuration variant)
+    to its family."""
+    family = (families or {}).get
     gen = torch.Generator().manual_seed(seed)
     docs = [torch.randint(1, 128, (n,), generator=gen) for n in lengths]
     cots = [torch.randn(n, hidden, generator=gen) for n in lengths]
-    states = {f: {k: v.clone() for k, v in build(f, c).state_dict().items()}
+    states = {f: {k: v.clone() for k, v in build(family(f, f), c).state_dict().items()}
               for f, c in configs.items()}  # fmt: skip
-    refs = per_document_jobs([dict(family=f, config=c, state_dict=states[f], documents=docs,
-                                   cotangents=cots) for f, c in configs.items()])  # fmt: skip
+    refs = per_document_jobs([dict(family=family(f, f), config=c, state_dict=states[f],
+                                   documents=docs, cotangents=cots)
+                              for f, c in configs.items()])  # fmt: skip
     return {f: dict(state=states[f], docs=docs, cots=cots, **r) for f, r in zip(configs, refs)}
 
 
