@@ -102,6 +102,7 @@ def main(argv=None) -> Path:
         bench_index_attention,
         bench_isolation,
         bench_kda_scan,
+        bench_mamba2_cp,
         bench_scaling,
     )
 
@@ -152,6 +153,10 @@ def main(argv=None) -> Path:
     agree_rows, text = _capture(bench_agreement.main, ["--repeats", "10" if q else "30"])
     sections.append(("shard_batch's check that the CP ranks hold the same batch (4 gloo ranks)",
                      text))
+    print("Mamba2 hybrid layer under CP ...", flush=True)
+    mamba_rows, text = _capture(bench_mamba2_cp.main, ["--lengths", "4096" if q else "8192",
+                                                       "--repeats", "2" if q else "5"])  # fmt: skip
+    sections.append(("transformers' Nemotron-H Mamba2 layer on fcp: CP 2 vs 1 rank", text))
     print("layout ...", flush=True)
     sections.append(("Layout and sharding at 1M tokens / 100k documents",
                      _script("bench_layout.py", ["--repeats", "5" if q else "15",
@@ -209,6 +214,10 @@ def main(argv=None) -> Path:
         else:
             head.append(f"| shard_batch's agreement check / shard_batch without it ({r['batch']})"
                         f" | {100 * r['check_over_shard']:.0f}% |")
+    for r in mamba_rows:
+        head.append(f"| Nemotron-H Mamba2 layer {r['tokens']} tokens, CP 2 vs 1 rank: speed-up "
+                    f"(wall / CPU time per rank) / saved-activation ratio | {r['speedup']:.2f}x / "
+                    f"{r['cpu_speedup']:.2f}x / {r['saved_ratio']:.2f}x |")
     r = max(gdn_rows, key=lambda r: r["seq"])
     head.append(f"| GDN scalar gate vs gate broadcast to K ({r['seq']} tokens, K=V=128): time / "
                 f"peak memory / saved activations, broadcast over scalar | {r['time_ratio']:.2f}x "

@@ -8,8 +8,8 @@ Layers, bottom up (a module imports only the layers below it):
 * :mod:`fcp.comm` - funcol collectives: sequence gather, backward anchor, left halo, state chain;
 * :mod:`fcp.shard` - :func:`shard_batch` and its inverse :func:`gather_sequence`;
 * :mod:`fcp.loss` - exact loss normalisation across data and context parallelism;
-* :mod:`fcp.ops` - operators (short conv, KDA, attention, indexers): one folder each, with its
-  reference, and :mod:`fcp.ops.kit`, what they share;
+* :mod:`fcp.ops` - operators (short conv, KDA, gated linear attention, attention, indexers): one
+  folder each, with its reference, and :mod:`fcp.ops.kit`, what they share;
 * :mod:`fcp.models` - the seed adapters (GLM-5.3-Flash, Qwen3.8-Flash-Next);
 * :mod:`fcp.integrations` - transformers models on fcp (:mod:`fcp.integrations.hf`).
 
@@ -30,6 +30,7 @@ from fcp.shard import gather_sequence, shard_batch
 from fcp.ops.compressed import compressed_attention
 from fcp.ops.doc_causal import doc_causal_attention
 from fcp.ops.conv import short_conv
+from fcp.ops.gla import gla
 from fcp.ops.index_attention import index_attention
 from fcp.ops.kda import kda
 from fcp.ops.kpool_indexer import kpool_indexer
@@ -48,6 +49,7 @@ __all__ = [
     "doc_ids_from_seq_lens",
     "document_starts",
     "gather_sequence",
+    "gla",
     "index_attention",
     "kda",
     "kpool_indexer",

@@ -56,6 +56,86 @@ def check(reference: dict, rows: list[list[int]], results: list) -> float:
     return max(errs.values())
 
 
+def output_error(reference: dict, rows: list[list[int]], results: list) -> float:
+    """The largest per-document output difference, relative to the largest reference entry."""
+    out = torch.cat([r[0] for r in results], 1)
+    errs = []
+    for b, row in enumerate(rows):
+        start = 0
+        for i in row:
+            want = reference["outputs"][i]
+            got = out[b, start : start + len(want)]
+            errs.append(float((got - want).abs().max() / want.abs().max()))
+            start += len(want)
+    return max(errs)
+
+
+def check_spanning_every_rank(rank_pool, reference: dict, family: str, config: dict, world: int,
+                              timeout: float) -> None:  # fmt: skip
+    """:func:`check` on the packing where one 37-token document spans every rank, next to a
+    1-token one, and a row of documents shorter than a conv (22, 2, 5 tokens) with a pad tail
+    (``reference`` made from the shared ``LENGTHS``); prints the measured errors."""
+    rows = [[7, 0], [6, 1, 3]]
+    results = run(rank_pool, reference, family, config, world, rows, 41, timeout)
+    grad_err = check(reference, rows, results)
+    out_err = output_error(reference, rows, results)
+    print(f"\n[hf-{family}] {world} rank(s): max relative output error {out_err:.1e}, "
+          f"max relative parameter-gradient error {grad_err:.1e}")  # fmt: skip
+
+
+def check_replacement(family: str, config: dict, mixers: tuple[str, ...]) -> None:
+    """The replacement contract on a fresh ``family`` model, whose supported transformers mixer
+    classes must be ``mixers``: ``enable_packed_cp`` returns the model, keeps its state-dict keys,
+    values and parameter objects, loads the old state dict strictly, swaps each mixer's class to
+    ``Packed<HFClass>`` (one class per kind), and is idempotent."""
+    from fcp.integrations.hf import SUPPORTED
+
+    model = build(family, config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    hf_classes = {n: type(m) for n, m in model.named_modules() if type(m).__name__ in SUPPORTED}
+    assert sorted({c.__name__ for c in hf_classes.values()}) == sorted(mixers)
+    assert enable_packed_cp(model) is model
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(after[k].shape == v.shape and torch.equal(after[k], v) for k, v in before.items())
+    assert all(p is params[n] for n, p in model.named_parameters())  # optimizers stay valid
+    assert not model.load_state_dict(before, strict=True).missing_keys  # strict: raises otherwise
+    kinds = {n: type(model.get_submodule(n)) for n in hf_classes}
+    for name, hf_class in hf_classes.items():
+        assert kinds[name].__name__ == f"Packed{hf_class.__name__}"
+        assert kinds[name].__bases__ == (SUPPORTED[hf_class.__name__], hf_class)
+    assert len(set(kinds.values())) == len(mixers)  # one class per kind, shared by its layers
+    assert enable_packed_cp(model) is model  # idempotent
+    assert {n: type(model.get_submodule(n)) for n in hf_classes} == kinds
+
+
+def compile_counts(family: str, config: dict, state_dict: dict, steps: int) -> tuple[list, int]:
+    """Every mixer of a packed ``family`` model compiled as the demo does (``mixer.compile``,
+    fullgraph, aot_eager), the model run over ``steps`` packings of one shape (outputs checked
+    against eager's to 1e-5): ``(compiled frames after each step, number of mixer kinds)``."""
+    import torch._dynamo.testing
+
+    from fcp.integrations.hf import FcpMixer
+    from tests.test_hf_core import packed_batch
+
+    model, eager = (packed_model(family, config, state_dict) for _ in range(2))
+    names = [n for n, m in model.named_modules() if isinstance(m, FcpMixer)]
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    for name in names:
+        model.get_submodule(name).compile(backend=counter, fullgraph=True, dynamic=False)
+    counts = []
+    with torch.no_grad():
+        for step in range(steps):
+            local, ctx = packed_batch(20 + step)
+            got, want = (m(input_ids=local["input_ids"], cp_context=ctx).last_hidden_state
+                         for m in (model, eager))  # fmt: skip
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            counts.append(counter.frame_count)
+    return counts, len({type(model.get_submodule(n)) for n in names})
+
+
 def packed_model(family: str, config: dict, state_dict: dict):
     model = build(family, config)
     model.load_state_dict(state_dict)
@@ -76,18 +156,23 @@ def packed_forward_backward(env, family, config, state_dict, batch, cotangent):
     return out.detach(), grads, ctx.interval
 
 
-def references(configs: dict, lengths: list[int], hidden: int, seed: int) -> dict:
+def references(configs: dict, lengths: list[int], hidden: int, seed: int,
+               families: dict | None = None) -> dict:  # fmt: skip
     """``{family: reference}`` for ``configs`` (``{family: config}``): one pool of random
     documents of ``lengths`` and cotangents ``[n, hidden]`` shared by all families, each
     family's initial state dict, and transformers' per-document outputs and gradients
-    (:func:`~tests.support.hf_reference.per_document_jobs`, one subprocess for all)."""
+    (:func:`~tests.support.hf_reference.per_document_jobs`, one subprocess for all).
+    ``families`` maps a key of ``configs`` that is not a family name (a configuration variant)
+    to its family."""
+    family = (families or {}).get
     gen = torch.Generator().manual_seed(seed)
     docs = [torch.randint(1, 128, (n,), generator=gen) for n in lengths]
     cots = [torch.randn(n, hidden, generator=gen) for n in lengths]
-    states = {f: {k: v.clone() for k, v in build(f, c).state_dict().items()}
+    states = {f: {k: v.clone() for k, v in build(family(f, f), c).state_dict().items()}
               for f, c in configs.items()}  # fmt: skip
-    refs = per_document_jobs([dict(family=f, config=c, state_dict=states[f], documents=docs,
-                                   cotangents=cots) for f, c in configs.items()])  # fmt: skip
+    refs = per_document_jobs([dict(family=family(f, f), config=c, state_dict=states[f],
+                                   documents=docs, cotangents=cots)
+                              for f, c in configs.items()])  # fmt: skip
     return {f: dict(state=states[f], docs=docs, cots=cots, **r) for f, r in zip(configs, refs)}
 
 

@@ -24,7 +24,7 @@ import torch
 from hypothesis import given, settings
 
 import fcp
-from fcp.integrations.hf import SUPPORTED, FcpMixer, enable_packed_cp
+from fcp.integrations.hf import FcpMixer, enable_packed_cp
 from tests import _hf_rank_fns as fns
 from tests.support.hf_reference import (
     BAILING_HYBRID_TINY,
@@ -33,7 +33,6 @@ from tests.support.hf_reference import (
     QWEN3_5_TINY,
     build,
 )
-from tests.test_hf_core import packed_batch
 from tests.test_hf_kimi_qwen3next import HIDDEN, LENGTHS, POOL_TIMEOUT_S, packing
 
 CONFIGS = {"qwen3_5": QWEN3_5_TINY, "qwen3_5_moe": QWEN3_5_MOE_TINY,
@@ -51,20 +50,6 @@ def references():
     return fns.references(CONFIGS, LENGTHS, HIDDEN, seed=7)
 
 
-def output_error(reference, rows, results) -> float:
-    """The largest per-document output difference, relative to the largest reference entry."""
-    out = torch.cat([r[0] for r in results], 1)
-    errs = []
-    for b, row in enumerate(rows):
-        start = 0
-        for i in row:
-            want = reference["outputs"][i]
-            got = out[b, start : start + len(want)]
-            errs.append(float((got - want).abs().max() / want.abs().max()))
-            start += len(want)
-    return max(errs)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(deadline=None, max_examples=3)
 @given(case=packing())
@@ -79,13 +64,8 @@ def test_packed_documents_equal_transformers_on_each_document(rank_pool, referen
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_document_spanning_every_rank_with_padding(rank_pool, references, family, world):
-    rows = [[7, 0], [6, 1, 3]]  # 37 + 1 tokens across every rank, docs shorter than the conv, pad
-    results = fns.run(rank_pool, references[family], family, CONFIGS[family], world, rows, 41,
-                      POOL_TIMEOUT_S)  # fmt: skip
-    grad_err = fns.check(references[family], rows, results)
-    out_err = output_error(references[family], rows, results)
-    print(f"\n[hf-{family}] {world} rank(s): max relative output error {out_err:.1e}, "
-          f"max relative parameter-gradient error {grad_err:.1e}")  # fmt: skip
+    fns.check_spanning_every_rank(rank_pool, references[family], family, CONFIGS[family], world,
+                                  POOL_TIMEOUT_S)  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -95,24 +75,7 @@ def test_without_a_context_the_original_code_runs(references, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replacement_keeps_the_state_dict_and_loads_it_strictly(family):
-    model = build(family, CONFIGS[family])
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    params = dict(model.named_parameters())
-    hf_classes = {n: type(m) for n, m in model.named_modules() if type(m).__name__ in SUPPORTED}
-    assert sorted({c.__name__ for c in hf_classes.values()}) == sorted(MIXERS[family])
-    assert enable_packed_cp(model) is model
-    after = model.state_dict()
-    assert list(after) == list(before)
-    assert all(after[k].shape == v.shape and torch.equal(after[k], v) for k, v in before.items())
-    assert all(p is params[n] for n, p in model.named_parameters())  # optimizers stay valid
-    assert not model.load_state_dict(before, strict=True).missing_keys  # strict: raises otherwise
-    kinds = {n: type(model.get_submodule(n)) for n in hf_classes}
-    for name, hf_class in hf_classes.items():
-        assert kinds[name].__name__ == f"Packed{hf_class.__name__}"
-        assert kinds[name].__bases__ == (SUPPORTED[hf_class.__name__], hf_class)
-    assert len(set(kinds.values())) == 2  # one class per kind, shared by its layers
-    assert enable_packed_cp(model) is model  # idempotent
-    assert {n: type(model.get_submodule(n)) for n in hf_classes} == kinds
+    fns.check_replacement(family, CONFIGS[family], MIXERS[family])
 
 
 def test_an_unknown_model_is_refused_naming_the_supported_ones():
@@ -204,24 +167,7 @@ def test_compiled_mixers_do_not_recompile_across_packings(references, family):
     """Every mixer compiled as the demo does (``mixer.compile``, fullgraph, aot_eager), the model
     run over 10 packings of the same shape: one graph per mixer kind, made at the first step, and
     the compiled model's outputs equal eager's."""
-    import torch._dynamo.testing
-
-    model = fns.packed_model(family, CONFIGS[family], references[family]["state"])
-    eager = fns.packed_model(family, CONFIGS[family], references[family]["state"])
-    names = [n for n, m in model.named_modules() if isinstance(m, FcpMixer)]
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    for name in names:
-        model.get_submodule(name).compile(backend=counter, fullgraph=True, dynamic=False)
-    kinds = len({type(model.get_submodule(n)) for n in names})
-    counts = []
-    with torch.no_grad():
-        for step in range(10):
-            local, ctx = packed_batch(20 + step)
-            got, want = (m(input_ids=local["input_ids"], cp_context=ctx).last_hidden_state
-                         for m in (model, eager))  # fmt: skip
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-            counts.append(counter.frame_count)
+    counts, kinds = fns.compile_counts(family, CONFIGS[family], references[family]["state"], 10)
     assert counts == [kinds] * 10, counts
 
 

@@ -2,7 +2,8 @@
 PyTorch path, the CUDA path, and the folder's ``__init__`` as the operator's only dispatcher
 (``backend=`` argument, ``"auto"`` by default; each backend states its guarantees).
 
-* :func:`short_conv` (:mod:`.conv`), :func:`kda` (:mod:`.kda`);
+* :func:`short_conv` (:mod:`.conv`), :func:`kda` (:mod:`.kda`), :func:`gla` (:mod:`.gla`: gated
+  linear attention with a scalar decay per head, Mamba2's SSD);
 * :func:`doc_causal_attention`, :func:`compressed_attention` (:mod:`.attention`);
 * :func:`kpool_indexer` (GLM-5.3-Flash's DSA), :func:`qsa_indexer` (Qwen3.8-Flash-Next's QSA) and
   the :func:`index_attention` both feed (:mod:`.kpool_indexer`, :mod:`.qsa_indexer`,

@@ -9,7 +9,9 @@ them that implements the same contract with the operators' references:
 * the backward ops: autograd of the same forward (no hand-written backward), run on a helper
   thread so that the caller's dispatch state (autograd below the op, opcheck's schema mode)
   does not reach it, as none reaches a real kernel;
-* ``fla_conv_varlen_fwd`` / ``_bwd``: the masked conv on a map rebuilt from ``cu_seqlens``.
+* ``fla_conv_varlen_fwd`` / ``_bwd``: the masked conv on a map rebuilt from ``cu_seqlens``;
+* ``fla_gla_fwd`` / ``fla_gla_bwd``: :func:`fcp.ops.gla.reference.gla_recurrence` from a zero
+  state, and autograd of it.
 
 So the FLA backends' composition (gate resets, the CP state chain around the op, schemas, fake
 kernels, autograd wiring) is testable on CPU, while FLA's kernels themselves run on a GPU or under
@@ -23,14 +25,15 @@ import concurrent.futures
 import math
 
 import torch
-import torch.nn.functional as F
 
 import fcp.ops.conv.fla  # noqa: F401  (defines the conv ops)
+import fcp.ops.gla.fla  # noqa: F401  (defines the GLA ops)
 import fcp.ops.kda.fla  # noqa: F401  (defines the KDA ops)
 from fcp.context import PackedContext
 from fcp.layout import doc_ids_from_cu_seqlens, document_starts
 from fcp.ops.conv.masked import short_conv_masked
 from fcp.ops.kit.fla import state_dtype
+from fcp.ops.gla.reference import gla_recurrence
 from fcp.ops.kda.reference import kda_recurrence
 
 __all__ = ["chunk_local_cumsum"]
@@ -42,7 +45,8 @@ def chunk_local_cumsum(g: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """FLA's ``g_cumsum``: per-chunk cumulative sum of ``g`` in log2 units (fp32)."""
     bsz, length = g.shape[:2]
     n = -(-length // chunk_size)
-    x = F.pad(g.to(state_dtype(g.dtype)), (0, 0, 0, 0, 0, n * chunk_size - length))
+    x = g.to(state_dtype(g.dtype))
+    x = torch.cat([x, x.new_zeros(bsz, n * chunk_size - length, *g.shape[2:])], 1)
     x = x.reshape(bsz, n, chunk_size, *g.shape[2:]).cumsum(2) * RCP_LN2
     return x.reshape(bsz, n * chunk_size, *g.shape[2:])[:, :length].contiguous()
 
@@ -107,6 +111,20 @@ def _kda_varlen_bwd(q, k, v, g, beta, g_cumsum, aqk, akk, h0, do, cu_seqlens, cu
 
 
 # ---------------------------------------------------------------------------------------------
+# dense scalar-gate GLA
+# ---------------------------------------------------------------------------------------------
+def _gla_fwd(q, k, v, g, scale, chunk_size):
+    o, ht = gla_recurrence(q, k, v, g, scale)
+    return o.to(q.dtype), ht.float()
+
+
+def _gla_bwd(q, k, v, g, do, dht, scale, chunk_size):
+    dht = torch.zeros(q.shape[0], *q.shape[2:], v.shape[3]) if dht is None else dht
+    grads = _vjp(lambda *xs: gla_recurrence(*xs, scale), (q, k, v, g), (do, dht))
+    return tuple(d.to(x.dtype).contiguous() for d, x in zip(grads, (q, k, v, g)))
+
+
+# ---------------------------------------------------------------------------------------------
 # varlen conv
 # ---------------------------------------------------------------------------------------------
 def _conv(x, weight, bias, cu_seqlens_cpu, activation):
@@ -167,5 +185,7 @@ for _name, _fn in (
     ("fcp::fla_kda_varlen_bwd", _kda_varlen_bwd),
     ("fcp::fla_conv_varlen_fwd", _conv_fwd),
     ("fcp::fla_conv_varlen_bwd", _conv_bwd),
+    ("fcp::fla_gla_fwd", _gla_fwd),
+    ("fcp::fla_gla_bwd", _gla_bwd),
 ):
     torch.library.register_kernel(_name, "cpu", _opaque(_fn))

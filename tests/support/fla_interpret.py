@@ -71,6 +71,7 @@ def enable(allow_cpu_cp: bool = False) -> None:
     import fla.modules.causal_conv1d.ops  # noqa: F401
     import fla.ops.kda.chunk_bwd  # noqa: F401
     import fla.ops.kda.chunk_fwd  # noqa: F401
+    import fla.ops.simple_gla.chunk  # noqa: F401
 
     import fla.modules.causal_conv1d.cp  # noqa: F401
     import fla.ops.cp.chunk_delta_h  # noqa: F401
@@ -86,9 +87,10 @@ def enable(allow_cpu_cp: bool = False) -> None:
     import torch
 
     from fcp.ops.conv import fla as conv_fla
+    from fcp.ops.gla import fla as gla_fla
     from fcp.ops.kda import fla as kda_fla
 
     for op in (kda_fla.fla_kda_fwd, kda_fla.fla_kda_bwd, kda_fla.fla_kda_varlen_fwd,
                kda_fla.fla_kda_varlen_bwd, conv_fla.fla_conv_varlen_fwd,
-               conv_fla.fla_conv_varlen_bwd):  # fmt: skip
+               conv_fla.fla_conv_varlen_bwd, gla_fla.fla_gla_fwd, gla_fla.fla_gla_bwd):  # fmt: skip
         torch.library.register_kernel(f"{op._namespace}::{op._name}", "cpu", op._init_fn)

@@ -2,13 +2,18 @@
 
 Families (:func:`build`): ``"glm5_next"`` (GLM-5.3-Flash), ``"kimi_linear"`` (Kimi-Linear),
 ``"qwen3_next"`` (Qwen3-Next), ``"qwen3_5"`` / ``"qwen3_5_moe"`` (Qwen3.5 text models),
-``"olmo_hybrid"`` (OLMo-Hybrid), ``"bailing_hybrid"`` (Bailing-Hybrid / Ling), each with a tiny
-configuration below.
+``"olmo_hybrid"`` (OLMo-Hybrid), ``"bailing_hybrid"`` (Bailing-Hybrid / Ling), the Mamba2
+hybrids ``"nemotron_h"`` (Nemotron-H), ``"granitemoehybrid"`` (Granite 4.0-H), ``"falcon_h1"``
+(Falcon-H1), ``"bamba"`` (Bamba), and ``"lfm2"`` / ``"lfm2_moe"`` (LFM2, LFM2-MoE), each with a
+tiny configuration below.
 
 transformers binds its hybrid models' recurrent kernels to FLA's Triton kernels whenever FLA is
 importable, and those fail on a CPU; with FLA blocked (``sys.modules["fla"] = None`` before
-transformers is imported) it uses its pure-PyTorch fallbacks. Blocking is process-wide, so the
-reference runs in a fresh subprocess: ``python -m tests.support.hf_reference IN OUT``.
+transformers is imported) it uses its pure-PyTorch fallbacks. Likewise mamba_ssm and
+causal-conv1d are blocked, so the Mamba2 and LFM2 layers run transformers' PyTorch paths
+(``mamba2_chunk_scan``, ``causal_conv1d_fn``) even where those packages are installed. Blocking
+is process-wide, so the reference runs in a fresh subprocess:
+``python -m tests.support.hf_reference IN OUT``.
 
 :func:`per_document` (called from the test process) writes the job, runs the subprocess, and
 returns for every document its output (``last_hidden_state`` ``[n, hidden]``) and the gradient
@@ -102,6 +107,67 @@ BAILING_HYBRID_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64,
                            n_group=1, topk_group=1, n_shared_experts=1, short_conv_kernel_size=4,
                            rope_theta=10000.0, pad_token_id=0, eos_token_id=2)  # fmt: skip
 
+#: Tiny Nemotron-H: Mamba2 (4 heads of 8, 2 groups, state 8, conv 4, chunks of 8 tokens), a MoE
+#: block (4 experts, top 2, shared expert), NoPE GQA attention (4 heads, 2 kv heads), Mamba2.
+NEMOTRON_H_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64,
+                       layers_block_type=["linear_attention", "moe", "full_attention",
+                                          "linear_attention"],
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
+                       conv_kernel=4, chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+                       pad_token_id=0)  # fmt: skip
+
+#: Tiny Granite 4.0-H: Mamba2 (4 heads of 16, 2 groups, state 8, chunks of 8), GQA with RoPE and
+#: attention_multiplier scaling, Mamba2; MoE (4 experts, top 2) + shared MLP; muP multipliers.
+GRANITE_HYBRID_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16,
+                           shared_intermediate_size=32, num_hidden_layers=3,
+                           layer_types=["linear_attention", "full_attention", "linear_attention"],
+                           num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4,
+                           mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                           mamba_chunk_size=8, num_local_experts=4, num_experts_per_tok=2,
+                           position_embedding_type="rope", embedding_multiplier=2.0,
+                           residual_multiplier=0.5, attention_multiplier=0.3,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                           pad_token_id=0)  # fmt: skip
+
+#: Tiny Falcon-H1: every layer runs Mamba2 (4 heads of 8, 2 groups, state 8, chunks of 8, gated
+#: RMSNorm per group, gate after the norm) and RoPE GQA in parallel; every muP multiplier != 1.
+FALCON_H1_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=32,
+                      mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                      mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
+                      ssm_multipliers=[0.5, 1.5, 0.7, 1.2, 0.9], ssm_in_multiplier=1.3,
+                      ssm_out_multiplier=0.8, attention_in_multiplier=0.9,
+                      attention_out_multiplier=1.1, key_multiplier=0.7, mlp_multipliers=[1.2, 0.8],
+                      embedding_multiplier=1.5, time_step_limit=(0.0, 3.0),
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                      pad_token_id=0)  # fmt: skip
+
+#: Tiny Bamba: Mamba2 (4 heads of 16, 2 groups, state 8, chunks of 8), GQA with RoPE on half of
+#: each head (Bamba's fixed partial_rotary_factor 0.5), Mamba2.
+BAMBA_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
+                  mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                  mamba_expand=2, mamba_chunk_size=8, pad_token_id=0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+
+#: Tiny LFM2: gated short conv (width 3, with biases), GQA with per-head q/k norm and RoPE (4
+#: heads, 2 kv heads, head_dim 8), gated short conv.
+LFM2_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                 layer_types=["conv", "full_attention", "conv"], num_attention_heads=4,
+                 num_key_value_heads=2, conv_L_cache=3, conv_bias=True,
+                 block_auto_adjust_ff_dim=False, pad_token_id=0,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+
+#: Tiny LFM2-MoE: LFM2's mixers; a dense first layer, then MoE (4 experts, top 2, expert bias).
+LFM2_MOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64,
+                     moe_intermediate_size=16, num_hidden_layers=3,
+                     layer_types=["conv", "full_attention", "conv"], num_attention_heads=4,
+                     num_key_value_heads=2, conv_L_cache=3, num_dense_layers=1, num_experts=4,
+                     num_experts_per_tok=2, pad_token_id=0,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+
 #: Parameters whose default initialisation makes terms of the formulas vanish (all-ones gates,
 #: zero positional terms, zero-centred norms): the tests perturb them so every term matters.
 _PERTURB = ("index_kpool_compress", "k_norm", "A_log", "dt_bias", "o_norm", "layernorm",
@@ -114,6 +180,25 @@ _PERTURB_BY_FAMILY = {
     "qwen3_5_moe": ("A_log", "dt_bias", "norm", "conv1d"),
     "olmo_hybrid": ("A_log", "dt_bias", "norm", "conv1d"),
     "bailing_hybrid": ("A_log", "dt_bias", "norm", "layernorm", "conv1d"),
+    # Mamba2: A_log, dt_bias, D (".D" is the only such name) and the gated norm start as
+    # constants; LFM2: its norms
+    "nemotron_h": ("A_log", "dt_bias", ".D", "norm", "conv1d"),
+    "granitemoehybrid": ("A_log", "dt_bias", ".D", "norm", "conv1d"),
+    "falcon_h1": ("A_log", "dt_bias", ".D", "norm", "conv1d"),
+    "bamba": ("A_log", "dt_bias", ".D", "norm", "conv1d"),
+    "lfm2": ("norm", "conv"),
+    "lfm2_moe": ("norm", "conv"),
+}
+
+#: family -> (transformers module, config class, text model class) of the families added with
+#: the Mamba2 and LFM2 hybrids
+_MODULES = {
+    "nemotron_h": ("nemotron_h", "NemotronHConfig", "NemotronHModel"),
+    "granitemoehybrid": ("granitemoehybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridModel"),
+    "falcon_h1": ("falcon_h1", "FalconH1Config", "FalconH1Model"),
+    "bamba": ("bamba", "BambaConfig", "BambaModel"),
+    "lfm2": ("lfm2", "Lfm2Config", "Lfm2Model"),
+    "lfm2_moe": ("lfm2_moe", "Lfm2MoeConfig", "Lfm2MoeModel"),
 }
 
 
@@ -155,6 +240,14 @@ def _model_class(family: str):
         from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridModel
 
         return BailingHybridConfig, BailingHybridModel
+    if family in _MODULES:
+        import importlib
+
+        name, config_class, model_class = _MODULES[family]
+        package = f"transformers.models.{name}"
+        configs = importlib.import_module(f"{package}.configuration_{name}")
+        models = importlib.import_module(f"{package}.modeling_{name}")
+        return getattr(configs, config_class), getattr(models, model_class)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -258,5 +351,6 @@ def per_document_jobs(jobs: list[dict]) -> list[dict]:
 if __name__ == "__main__":
     sys.modules["fla"] = None  # transformers' pure-PyTorch fallbacks (FLA's kernels need a GPU)
     sys.modules["causal_conv1d"] = None  # the PyTorch conv fallback even where it is installed
+    sys.modules["mamba_ssm"] = None  # and transformers' PyTorch Mamba2 scan
     torch.set_num_threads(1)
     torch.save([_run(job) for job in torch.load(sys.argv[1], weights_only=False)], sys.argv[2])

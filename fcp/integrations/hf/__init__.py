@@ -17,7 +17,7 @@ the non-CP path silently: a mixer reached without the context (a decoder layer t
 raises, and so does a KV cache (``use_cache=True``, ``cache`` / ``past_key_values``).
 
 Supported mixers (:data:`SUPPORTED`; the adapters in :mod:`.models`, the kinds in
-:mod:`.mixers`), and what each exchanges under CP (every linear-attention layer: a
+:mod:`.mixers`), and what each exchanges under CP (every KDA / Gated DeltaNet layer: a
 ``(W - 1)``-token left halo of its conv input and one fp32 state-chain all-gather of
 ``[batch, value_heads, K, K + V]``; nothing else):
 
@@ -40,6 +40,17 @@ Supported mixers (:data:`SUPPORTED`; the adapters in :mod:`.models`, the kinds i
 * Bailing-Hybrid / Ling (``bailing_hybrid``): ``BailingHybridDeltaAttention`` (KDA) and
   ``BailingHybridAttention`` (MLA, interleaved RoPE on ``qk_rope_head_dim`` channels, per-head
   output gate): all-gathers its expanded K/V, as Kimi-Linear.
+* The Mamba2 hybrids Nemotron-H (``nemotron_h``: ``NemotronHMamba2Mixer``,
+  ``NemotronHAttention``, NoPE), Granite 4.0-H (``granitemoehybrid``:
+  ``GraniteMoeHybridMambaLayer``, ``GraniteMoeHybridAttention``, RoPE or NoPE), Falcon-H1
+  (``falcon_h1``: ``FalconH1Mixer`` and ``FalconH1Attention`` side by side in every layer, muP
+  multipliers) and Bamba (``bamba``: ``BambaMixer``, ``BambaAttention``, RoPE on half of each
+  head): a Mamba2 layer exchanges the ``(W - 1)``-token halo of its conv over ``[x | B | C]``
+  and one fp32 state-chain all-gather of ``[batch, heads, N, N + P]`` (``N`` the SSM state size,
+  ``P`` the head dim); an attention layer all-gathers K/V.
+* LFM2 (``lfm2``) and LFM2-MoE (``lfm2_moe``): ``Lfm2(Moe)ShortConv`` (gated short conv:
+  exchanges its ``(W - 1)``-token halo of ``[batch, tokens, hidden]``) and ``Lfm2(Moe)Attention``
+  (GQA, per-head q/k norm, RoPE): all-gathers K/V.
 
 Qwen3.5's vision-language wrappers hold the same text model: text runs on fcp, and image or
 video inputs given with a ``cp_context`` raise a ``ValueError`` (not supported yet).
@@ -56,10 +67,12 @@ from torch import nn
 from fcp.integrations.hf.core import ContextScope, FcpMixer, replace
 from fcp.integrations.hf.mixers import (
     GatedDeltaNetMixer,
+    GatedShortConvMixer,
     GqaMixer,
     IndexedMlaMixer,
     KdaMixer,
     MlaMixer,
+    SsdMixer,
 )
 from fcp.integrations.hf.models import ADAPTERS
 
@@ -67,10 +80,12 @@ __all__ = [
     "SUPPORTED",
     "FcpMixer",
     "GatedDeltaNetMixer",
+    "GatedShortConvMixer",
     "GqaMixer",
     "IndexedMlaMixer",
     "KdaMixer",
     "MlaMixer",
+    "SsdMixer",
     "enable_packed_cp",
 ]
 
@@ -83,14 +98,15 @@ def enable_packed_cp(model: nn.Module) -> nn.Module:
 
     ``model`` is a transformers model or any module containing one (e.g. a
     ``Glm5NextForConditionalGeneration``, ``KimiLinearForCausalLM``, ``Qwen3NextForCausalLM``,
-    ``Qwen3_5ForConditionalGeneration`` (text inputs only under a ``cp_context``), or one decoder
-    layer). The mixers stay the same objects (their class is swapped), so
-    parameters, buffers, their names, optimizers built before the call and checkpoints stay
-    valid. Registers the context guard (:class:`~fcp.integrations.hf.core.ContextScope`) on
-    ``model`` and on every ``PreTrainedModel`` inside it that holds replaced mixers.
-    Idempotent. Raises ``ValueError`` if ``model`` has no supported mixer, and
-    ``NotImplementedError`` for a supported mixer whose configuration fcp cannot compute (e.g. a
-    conv activation other than SiLU, a sequence-dependent rope type).
+    ``Qwen3_5ForConditionalGeneration`` (text inputs only under a ``cp_context``),
+    ``NemotronHForCausalLM``, ``Lfm2ForCausalLM``, or one decoder layer). The mixers stay the
+    same objects (their class is swapped), so parameters, buffers, their names, optimizers built
+    before the call and checkpoints stay valid. Registers the context guard
+    (:class:`~fcp.integrations.hf.core.ContextScope`) on ``model`` and on every
+    ``PreTrainedModel`` inside it that holds replaced mixers. Idempotent. Raises ``ValueError``
+    if ``model`` has no supported mixer, and ``NotImplementedError`` for a supported mixer whose
+    configuration fcp cannot compute (e.g. a conv activation other than SiLU, a
+    sequence-dependent rope type).
     """
     targets = [(m, SUPPORTED[type(m).__name__]) for m in model.modules()
                if type(m).__name__ in SUPPORTED and not isinstance(m, FcpMixer)]  # fmt: skip

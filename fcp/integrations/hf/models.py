@@ -21,21 +21,37 @@ transformers 5.24 (each checked per document against transformers, ``tests/test_
   RoPE only when ``rope_parameters["rope_theta"]`` is set (NoPE otherwise), in fp32 tables;
 * Bailing-Hybrid (Ling) runs KDA with its own forget gate module and a single full-width output
   gate ``g_proj`` (sigmoid-gated norm), and DeepSeek MLA with interleaved RoPE on the
-  ``qk_rope_head_dim`` channels and a per-head sigmoid output gate ``g_proj``.
+  ``qk_rope_head_dim`` channels and a per-head sigmoid output gate ``g_proj``;
+* the Mamba2 layers of Nemotron-H, Granite 4.0-H (``granitemoehybrid``), Falcon-H1 and Bamba are
+  one code (transformers' ``mamba2_chunk_scan`` and the mixer around it are the same lines in all
+  four; their configs name the sizes differently, the modules the same): :class:`SsdMixer` as it
+  is, except Falcon-H1's muP multipliers on the in-projection (``ssm_in_multiplier`` before it,
+  the ``mup_vector`` buffer after it) and its optional gated norm (without ``mamba_rms_norm``:
+  ``y * silu(z)``); Nemotron-H's own ``time_step_limit`` is ``(time_step_min, inf)``;
+* their attention layers are the Llama layout (:class:`GqaMixer`'s default): Nemotron-H's is
+  NoPE, Granite 4.0-H's has RoPE only with ``position_embedding_type="rope"`` and scales by
+  ``attention_multiplier``, Falcon-H1's multiplies k by ``key_multiplier``, Bamba's rotates half
+  of each head (``partial_rotary_factor`` 0.5); the decoder layers' multipliers (Falcon-H1's
+  ``attention_in_multiplier``, Granite's ``residual_multiplier``, ...) stay in transformers' code;
+* LFM2 and LFM2-MoE: a gated short conv (:class:`GatedShortConvMixer`) and GQA with per-head
+  ``q_layernorm`` / ``k_layernorm`` and ``out_proj``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from fcp.context import PackedContext
 from fcp.integrations.hf.core import FcpMixer
 from fcp.integrations.hf.mixers import (
     GatedDeltaNetMixer,
+    GatedShortConvMixer,
     GqaMixer,
     IndexedMlaMixer,
     KdaMixer,
     MlaMixer,
+    SsdMixer,
 )
 from fcp.integrations.hf.rope import (
     apply_rope,
@@ -48,6 +64,11 @@ __all__ = [
     "ADAPTERS",
     "BailingHybridKdaAdapter",
     "BailingHybridMlaAdapter",
+    "FalconH1AttentionAdapter",
+    "FalconH1SsdAdapter",
+    "GraniteMoeHybridAttentionAdapter",
+    "Lfm2AttentionAdapter",
+    "NemotronHAttentionAdapter",
     "OlmoHybridAttentionAdapter",
     "OlmoHybridGdnAdapter",
     "Qwen3NextAttentionAdapter",
@@ -118,11 +139,6 @@ class OlmoHybridAttentionAdapter(GqaMixer):
     ``k_proj`` (before the head split), no output gate; RoPE (full head dim, fp32 tables, the
     result cast back) only when the config sets ``rope_theta``: without it, NoPE."""
 
-    @classmethod
-    def fcp_check(cls, module) -> None:
-        if cls.fcp_uses_rope(module.config):
-            super().fcp_check(module)
-
     @staticmethod
     def fcp_uses_rope(config) -> bool:
         return (getattr(config, "rope_parameters", None) or {}).get("rope_theta") is not None
@@ -171,6 +187,57 @@ class BailingHybridMlaAdapter(MlaMixer):
         return self.o_proj((o * gate[..., None]).flatten(2))
 
 
+class NemotronHAttentionAdapter(GqaMixer):
+    """Nemotron-H's attention: the Llama layout, NoPE (positions come from the Mamba2 layers)."""
+
+    @staticmethod
+    def fcp_uses_rope(config) -> bool:
+        return False
+
+
+class GraniteMoeHybridAttentionAdapter(GqaMixer):
+    """Granite 4.0-H's attention: the Llama layout, scaled by ``attention_multiplier`` (its
+    ``scaling``), RoPE only when ``position_embedding_type == "rope"`` (NoPE otherwise)."""
+
+    @staticmethod
+    def fcp_uses_rope(config) -> bool:
+        return config.position_embedding_type == "rope"
+
+
+class FalconH1SsdAdapter(SsdMixer):
+    """Falcon-H1's Mamba2 layer: muP multipliers around ``in_proj`` (``ssm_in_multiplier`` on its
+    input, the per-segment ``mup_vector`` on ``[z | x | B | C | dt]``), and without
+    ``mamba_rms_norm`` the output gated as ``y * silu(z)`` with no norm."""
+
+    def fcp_project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.in_proj(x * self.ssm_in_multiplier) * self.mup_vector
+
+    def fcp_output(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        y = self.norm(y, z) if self.mamba_rms_norm else y * F.silu(z)
+        return self.out_proj(y.to(dtype))
+
+
+class FalconH1AttentionAdapter(GqaMixer):
+    """Falcon-H1's attention: the Llama layout with k scaled by ``key_multiplier`` (before RoPE,
+    as transformers does)."""
+
+    def fcp_qkv(self, x: torch.Tensor):
+        q, k, v, _ = super().fcp_qkv(x)
+        return q, k * self.key_multiplier, v, None
+
+
+class Lfm2AttentionAdapter(GqaMixer):
+    """LFM2's (and LFM2-MoE's) attention: per-head RMSNorm of q and k (``q_layernorm``,
+    ``k_layernorm``) before RoPE, output projection ``out_proj``."""
+
+    def fcp_qkv(self, x: torch.Tensor):
+        q, k, v, _ = super().fcp_qkv(x)
+        return self.q_layernorm(q), self.k_layernorm(k), v, None
+
+    def fcp_output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        return self.out_proj(o)
+
+
 #: transformers class name -> the fcp mixer replacing it (:data:`fcp.integrations.hf.SUPPORTED`).
 ADAPTERS: dict[str, type[FcpMixer]] = {
     # GLM-5.3-Flash (glm5_next)
@@ -193,4 +260,21 @@ ADAPTERS: dict[str, type[FcpMixer]] = {
     # Bailing-Hybrid / Ling (bailing_hybrid)
     "BailingHybridDeltaAttention": BailingHybridKdaAdapter,
     "BailingHybridAttention": BailingHybridMlaAdapter,
+    # Nemotron-H (nemotron_h): Mamba2, NoPE attention (its MoE / MLP blocks stay transformers')
+    "NemotronHMamba2Mixer": SsdMixer,
+    "NemotronHAttention": NemotronHAttentionAdapter,
+    # Granite 4.0-H (granitemoehybrid)
+    "GraniteMoeHybridMambaLayer": SsdMixer,
+    "GraniteMoeHybridAttention": GraniteMoeHybridAttentionAdapter,
+    # Falcon-H1 (falcon_h1): both mixers of every (parallel) layer
+    "FalconH1Mixer": FalconH1SsdAdapter,
+    "FalconH1Attention": FalconH1AttentionAdapter,
+    # Bamba (bamba)
+    "BambaMixer": SsdMixer,
+    "BambaAttention": GqaMixer,
+    # LFM2 (lfm2), LFM2-MoE (lfm2_moe): the same two mixers
+    "Lfm2ShortConv": GatedShortConvMixer,
+    "Lfm2Attention": Lfm2AttentionAdapter,
+    "Lfm2MoeShortConv": GatedShortConvMixer,
+    "Lfm2MoeAttention": Lfm2AttentionAdapter,
 }

@@ -7,11 +7,17 @@ adapter (:mod:`fcp.integrations.hf.models`) fills in or changes.
 * :class:`GatedDeltaNetMixer` (:mod:`.gdn`): short conv + Gated DeltaNet + SiLU-gated norm.
 * :class:`MlaMixer`, :class:`IndexedMlaMixer` (:mod:`.mla`): full and k-pool DSA indexed MLA.
 * :class:`GqaMixer` (:mod:`.gqa`): grouped-query attention, RoPE at document-local positions.
+* :class:`SsdMixer` (:mod:`.mamba2`): Mamba2's conv over ``[x | B | C]`` + SSD (gated linear
+  attention) + D skip + gated RMSNorm.
+* :class:`GatedShortConvMixer` (:mod:`.short_conv`): LFM2's gated depthwise short conv.
 """
 
 from fcp.integrations.hf.mixers.gdn import GatedDeltaNetMixer
 from fcp.integrations.hf.mixers.gqa import GqaMixer
 from fcp.integrations.hf.mixers.kda import KdaMixer
+from fcp.integrations.hf.mixers.mamba2 import SsdMixer
 from fcp.integrations.hf.mixers.mla import IndexedMlaMixer, MlaMixer
+from fcp.integrations.hf.mixers.short_conv import GatedShortConvMixer
 
-__all__ = ["GatedDeltaNetMixer", "GqaMixer", "IndexedMlaMixer", "KdaMixer", "MlaMixer"]
+__all__ = ["GatedDeltaNetMixer", "GatedShortConvMixer", "GqaMixer", "IndexedMlaMixer", "KdaMixer",
+           "MlaMixer", "SsdMixer"]  # fmt: skip

@@ -1,5 +1,6 @@
 """Grouped-query softmax attention (Qwen3-Next's gated ``Qwen3NextAttention``, Qwen3.5's,
-OLMo-Hybrid's; later LFM2, the Mamba2 hybrids' attention layers) on fcp's operators.
+OLMo-Hybrid's, LFM2's, and the attention layers of the Mamba2 hybrids Nemotron-H, Granite 4.0-H,
+Falcon-H1 and Bamba) on fcp's operators.
 
 ``fcp_forward(hidden_states [B, L, D], ctx) -> (out [B, L, D], None)``::
 
@@ -8,10 +9,13 @@ OLMo-Hybrid's; later LFM2, the Mamba2 hybrids' attention layers) on fcp's operat
     o = fcp_attend(q, k, v, x, ctx)   # causal within each document, scale self.scaling
     out = fcp_output(o, gate)         # o * sigmoid(gate) if gated, then o_proj
 
-``fcp_qkv`` is the adapter's (projection names, per-head or full-width q/k norms, a fused output
-gate). ``fcp_rotate`` computes the tables from the mixer's own ``config`` (partial rotary: the
-first ``int(head_dim * partial_rotary_factor)`` channels); a NoPE model (Nemotron-H, OLMo-Hybrid
-without ``rope_parameters``) returns ``q, k``. ``fcp_attend`` is
+``fcp_qkv`` defaults to the Llama layout (``q_proj`` / ``k_proj`` / ``v_proj`` split into heads of
+``head_dim``, no norm, no gate); an adapter overrides it where the model differs (per-head or
+full-width q/k norms, a fused output gate, a key multiplier). ``fcp_rotate`` computes the tables
+from the mixer's own ``config`` (partial rotary: the first ``int(head_dim *
+partial_rotary_factor)`` channels); where ``fcp_uses_rope(config)`` is false (NoPE: Nemotron-H,
+Granite 4.0-H without ``position_embedding_type="rope"``, OLMo-Hybrid without ``rope_theta``) it
+returns ``q, k``. ``fcp_attend`` is
 :func:`fcp.ops.doc_causal.doc_causal_attention` (under CP: an all-gather of K/V); a sparse
 attention (Qwen4-Exp's QSA selection) overrides it. The ``position_embeddings`` transformers
 passes (computed at row positions) are ignored.
@@ -30,19 +34,28 @@ __all__ = ["GqaMixer"]
 
 
 class GqaMixer(FcpMixer):
-    """Causal GQA attention with RoPE at document-local positions (module doc); an adapter
-    defines :meth:`fcp_qkv`."""
+    """Causal GQA attention with RoPE (or none) at document-local positions (module doc)."""
 
     @classmethod
     def fcp_check(cls, module) -> None:
-        rope_frequencies(module.config)  # a rope type fcp cannot apply raises here, not mid-step
+        if cls.fcp_uses_rope(module.config):
+            rope_frequencies(module.config)  # a rope type fcp cannot apply raises now, not mid-step
+
+    @staticmethod
+    def fcp_uses_rope(config) -> bool:
+        """Whether the layer rotates q and k (``False``: NoPE)."""
+        return True
 
     def fcp_qkv(self, x: torch.Tensor):
         """``(q [B, L, H, Dh], k [B, L, Hkv, Dh], v [B, L, Hkv, Dh], gate [B, L, H * Dh] | None)``,
         q and k normalised as the model does."""
-        raise NotImplementedError(f"{type(self).__name__}: the adapter defines fcp_qkv")
+        shape = (*x.shape[:2], -1, self.head_dim)
+        q, k, v = (proj(x).view(shape) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return q, k, v, None
 
     def fcp_rotate(self, q: torch.Tensor, k: torch.Tensor, ctx: PackedContext):
+        if not self.fcp_uses_rope(self.config):
+            return q, k
         cos, sin = rope_tables(self.config, ctx.local_position_ids, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 

@@ -1,0 +1,155 @@
+"""Gated linear attention's exact static-shape PyTorch path: chunked, documents reset exactly,
+exact under CP.
+
+:func:`gla_chunked` evaluates :mod:`fcp.ops.gla.reference`'s recurrence chunk-wise (Mamba2's SSD
+form, cost linear in the sequence length) with static shapes: documents are never split into
+variable-length pieces; every cross-document term is an exact zero instead, so a document's
+outputs are bitwise independent of every other token of the row. Per chunk of ``C`` tokens, per
+head, with ``D(i, t] = sum_{i < s <= t} a_s`` (inside one document)::
+
+    o_t   = sum_{i <= t, same run} exp(D(i, t]) (q_t . k_i) v_i          # in-chunk, [C, C]
+          + exp(D(start, t]) q_t^T S            (t in the run carried into the chunk)
+    S_end = dec * S + sum_{i in the last run} exp(D(i, end]) k_i v_i^T
+    dec   = exp(D(start, end]) if the whole chunk continues the carried run, else exactly 0
+
+How it stays exact and static:
+
+* Runs (documents and the pad tail) are numbered by a cumulative sum of run starts over the
+  replicated global map; cross-run terms are removed with ``torch.where`` (exact zeros), before
+  any exponential (no ``inf`` is formed, and a masked entry's gradient is an exact zero).
+* Every exponent is a *direct* sum of the ``a``'s it spans (:func:`segment_sums`: a masked
+  cumulative sum per pair, Mamba2's "stable segsum"), never a difference of long cumulative
+  sums: ``<= 0`` for ``a <= 0`` (no overflow at any decay) and no cancellation, also in the
+  gradient of ``a``.
+* ``q . k`` is formed once per group (GQA), not per head; the decays broadcast over the heads
+  of a group.
+* The chunk recurrence is diagonal (a scalar per chunk and head), composed by
+  :func:`fcp.scan.decay_scan`: log depth, no Python loop over chunks, so a compiled graph does
+  not grow with the sequence length.
+* Under CP the shard's map is ``S_out = m_r S_in + S_r`` with ``m_r`` the product of the chunk
+  decays; :func:`fcp.comm.state_chain` (with ``M_r = m_r I``) hands each rank ``S_in``, which
+  enters chunk ``n`` scaled by the product of the decays before it (:func:`entry_products`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcp.comm import state_chain
+from fcp.context import PackedContext
+from fcp.layout import document_starts
+from fcp.ops.kit.common import compute_dtype
+from fcp.scan import decay_scan
+
+__all__ = ["boundary_decays", "chunk_runs", "entry_products", "gla_chunked", "segment_sums"]
+
+
+def _masked_exp(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` where ``mask``, exact 0 elsewhere (masked before the exponential)."""
+    return torch.exp(torch.where(mask, x, float("-inf")))
+
+
+def chunk_runs(context: PackedContext, chunks: int, chunk_size: int):
+    """Run ids of this rank's shard in chunks, and of the token before each chunk.
+
+    Returns ``(seg [batch, chunks, chunk_size], prev [batch, chunks])``, int64. Equal ids mean the
+    same run of the global map (documents and the pad tail), across ranks too; ``prev`` is 0 (no
+    run) before rank 0. The internal padding to ``chunks * chunk_size`` tokens continues the last
+    run (its tokens get zero inputs, so they carry the state through unchanged).
+    """
+    seg = torch.cumsum(document_starts(context.doc_ids), 1)  # >= 1
+    s0 = context.seq_start
+    local = seg[:, s0 : context.seq_end]
+    n_pad = chunks * chunk_size - local.shape[1]
+    if n_pad:
+        local = torch.cat([local, local[:, -1:].expand(-1, n_pad)], 1)
+    local = local.reshape(seg.shape[0], chunks, chunk_size)
+    before = seg[:, s0 - 1 : s0] if s0 > 0 else torch.zeros_like(seg[:, :1])
+    return local, torch.cat([before, local[:, :-1, -1]], 1)
+
+
+def segment_sums(a: torch.Tensor) -> torch.Tensor:
+    """``[..., C] -> [..., C, C]`` with ``[t, i] = sum_{i < s <= t} a_s`` for ``i <= t`` (0 on the
+    diagonal; the upper triangle holds no meaning). Direct sums: a masked cumulative sum per
+    column, exact zeros before ``i + 1``."""
+    c = a.shape[-1]
+    later = torch.ones(c, c, dtype=torch.bool, device=a.device).tril(-1)  # [s, i]: s > i
+    return torch.where(later, a[..., :, None], 0.0).cumsum(-2)
+
+
+def boundary_decays(a: torch.Tensor, seg: torch.Tensor, prev: torch.Tensor):
+    """Decays from each chunk's start, for the tokens that see the state entering it.
+
+    Args:
+        a: ``[..., N, C]`` log decays; seg ``[..., N, C]`` and prev ``[..., N]`` run ids
+            (:func:`chunk_runs`, broadcast against ``a``).
+
+    Returns:
+        ``decay_in [..., N, C]``: ``exp(a_start + ... + a_t)`` for tokens of the run going on
+        before the chunk, exact 0 for the others; ``dec [..., N]``: the chunk's transition (its
+        last token's ``decay_in``: nonzero only if the whole chunk continues that run).
+    """
+    decay_in = _masked_exp(seg == prev[..., None], torch.cumsum(a, -1))
+    return decay_in, decay_in[..., -1]
+
+
+def entry_products(dec: torch.Tensor):
+    """``dec [..., N]`` chunk transitions -> ``(prefix [..., N], total [...])``: the products of
+    the decays before each chunk (how the state entering the shard reaches chunk ``n``) and of
+    all of them (the shard's transition ``m_r``), by :func:`fcp.scan.decay_scan`."""
+    d = dec[..., None, None]
+    prefix, total = decay_scan(d, torch.zeros_like(d), dec.new_ones(*dec.shape[:-1], 1, 1))
+    return prefix[..., 0, 0], total[..., 0, 0]
+
+
+def gla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                context: PackedContext, scale: float, chunk_size: int = 64) -> torch.Tensor:
+    """The ``"chunked"`` backend of :func:`fcp.ops.gla.gla` (same arguments, checked there;
+    ``scale`` resolved). The shard is padded internally to a multiple of ``chunk_size``.
+
+    Guarantees: exact to fp32 rounding (fp64 for fp64 inputs); a document's outputs are bitwise
+    independent of every token outside it; deterministic; no host synchronisation and no
+    data-dependent shapes (CUDA-graph safe; a new packing never recompiles). Under CP, one
+    :func:`~fcp.comm.state_chain` all-gather of fp32 ``[batch, heads, K, K + V]`` per call.
+    """
+    bsz, length, groups, dk = q.shape
+    heads, dv = v.shape[2], v.shape[3]
+    dt = compute_dtype(q, k, v, a)
+    c = chunk_size
+    n = -(-length // c)
+    n_pad = n * c - length
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        # [B, T, X, D] -> [B, X, N, C, D] in the compute dtype, zero-padded at the end
+        x = torch.nn.functional.pad(x.to(dt), (0, 0, 0, 0, 0, n_pad))
+        return x.reshape(bsz, n, c, *x.shape[2:]).permute(0, 3, 1, 2, 4)
+
+    # layout [B, G, R, N, C, D]: head h = g * R + r reads group g (q and k have R = 1)
+    qc, kc = (chunked(q) * scale)[:, :, None], chunked(k)[:, :, None]
+    vc = chunked(v).unflatten(1, (groups, heads // groups))
+    ac = chunked(a[..., None])[..., 0].unflatten(1, (groups, heads // groups))
+    seg, prev = chunk_runs(context, n, c)
+    seg, prev = seg[:, None, None], prev[:, None, None]  # [B, 1, 1, N, C], [B, 1, 1, N]
+
+    # in-chunk: decayed scores of same-run pairs i <= t
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    same = (seg[..., :, None] == seg[..., None, :]) & causal  # [B, 1, 1, N, C, C]
+    spans = segment_sums(ac)  # [B, G, R, N, C, C]
+    scores = qc @ kc.transpose(-1, -2)  # once per group
+    # `where` as well as the zero decay: a product overflowing elsewhere stays out exactly
+    out = torch.where(same, scores * _masked_exp(same, spans), 0.0) @ vc
+
+    # chunk boundaries: what each chunk adds to the state, and what it passes on
+    decay_in, dec = boundary_decays(ac, seg, prev)
+    to_end = _masked_exp(seg == seg[..., -1:], spans[..., -1, :])  # last run: exp(D(i, end])
+    kv = kc.transpose(-1, -2) @ (vc * to_end[..., None])  # [B, G, R, N, K, V]
+    states, final = decay_scan(dec[..., None, None], kv)  # state entering each chunk
+    if context.cp_enabled:
+        prefix, total = entry_products(dec)
+        eye = torch.eye(dk, dtype=dt, device=q.device)
+        s_in = state_chain(total[..., None, None] * eye, final, context).to(dt)
+        states = states + prefix[..., None, None] * s_in[..., None, :, :]
+    carried = (seg == prev[..., None])[..., None]
+    out = out + torch.where(carried, decay_in[..., None] * (qc @ states), 0.0)
+    out = out.flatten(1, 2).permute(0, 2, 3, 1, 4).reshape(bsz, n * c, heads, dv)
+    return out[:, :length].to(v.dtype)

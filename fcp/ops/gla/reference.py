@@ -1,0 +1,81 @@
+"""Gated linear attention with a scalar decay per head, the definition: the per-token
+recurrence (tests only).
+
+Per head ``h``, with a ``[K, V]`` state ``S`` that restarts at zero at every document start::
+
+    S_t = exp(a_t) S_{t-1} + k_t v_t^T          # decay, then add (no delta rule)
+    o_t = scale * S_t^T q_t
+
+where head ``h`` reads the query/key group ``h // (heads // groups)``. This is Mamba2's SSD (state
+space duality) with ``q = C``, ``k = B``, ``v = dt * x``, ``a = dt * A`` and ``scale = 1``, and
+FLA's ``chunk_simple_gla`` with ``g = a``. Every backend of :func:`fcp.ops.gla.gla` computes
+this; the tests compare them with :func:`gla_reference`. O(sequence) Python steps: the
+specification and test oracle, never a model's path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcp.context import PackedContext
+from fcp.layout import document_starts
+from fcp.ops.gla import check_gla_inputs
+from fcp.ops.kit.common import compute_dtype, default_scale
+
+__all__ = ["gla_reference", "gla_recurrence"]
+
+
+def gla_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                   scale: float, starts: torch.Tensor | None = None,
+                   initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token recurrence on ``[B, T, ...]`` tensors: ``(o, final_state)``.
+
+    Args:
+        q, k: ``[B, T, G, K]``; v: ``[B, T, H, V]``; a: ``[B, T, H]`` (natural-log decay).
+        scale: query scale.
+        starts: optional bool ``[B, T]``: the state is zeroed before these tokens (exact resets).
+        initial_state: optional ``[B, H, K, V]`` state before the first token.
+
+    Returns:
+        ``o`` ``[B, T, H, V]`` and the final state ``[B, H, K, V]``, both in the compute dtype
+        (fp32, fp64 for fp64 inputs). Differentiable by autograd.
+    """
+    rep = v.shape[2] // q.shape[2]
+    dt = compute_dtype(q, k, v, a)
+    q = q.to(dt).repeat_interleave(rep, dim=2) * scale
+    k = k.to(dt).repeat_interleave(rep, dim=2)
+    v, a = v.to(dt), a.to(dt)
+    if initial_state is None:
+        state = q.new_zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3])
+    else:
+        state = initial_state.to(dt)
+    out = []
+    for t in range(q.shape[1]):
+        if starts is not None:
+            # where (not a multiply) so a reset is exact whatever the previous state holds
+            state = torch.where(starts[:, t, None, None, None], 0.0, state)
+        state = state * a[:, t, :, None, None].exp() + k[:, t, :, :, None] * v[:, t, :, None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    o = torch.stack(out, 1) if out else v.new_zeros(v.shape)
+    return o, state
+
+
+def gla_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                  context: PackedContext | torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Single-process :func:`fcp.ops.gla.gla` by the per-token recurrence, state reset at every
+    document start (and at the pad tail).
+
+    Same shapes and conventions as :func:`fcp.ops.gla.gla` (which see); ``context`` is a non-CP
+    :class:`~fcp.context.PackedContext` or directly the int64 doc-id map ``[batch, seq]``.
+    Computes in fp32 (fp64 for fp64 inputs); returns ``v``'s dtype.
+    """
+    if isinstance(context, PackedContext):
+        if context.cp_enabled:
+            raise ValueError("gla_reference is single-process: pass a context with cp_size=1")
+        doc_ids = context.doc_ids
+    else:
+        doc_ids = context
+    check_gla_inputs(q, k, v, a, doc_ids.shape[1], doc_ids.shape[0])
+    scale = default_scale(q.shape[3], scale)
+    o, _ = gla_recurrence(q, k, v, a, scale, starts=document_starts(doc_ids))
+    return o.to(v.dtype)

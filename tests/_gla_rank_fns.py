@@ -1,0 +1,69 @@
+"""Functions run on pool ranks by the gated-linear-attention tests (importable by module path),
+and the input helpers those tests share.
+
+Every rank receives the same global inputs, runs :func:`fcp.ops.gla.gla` (or the ``"fla"``
+backend's static composition on the ops' CPU test doubles) on its contiguous slice and returns
+plain tensors; the test process concatenates them in rank order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import tests.support.fla_cpu_kernels  # noqa: F401  (CPU kernels of the fcp::fla_* ops)
+from fcp.context import PackedContext
+from fcp.ops.gla import gla
+from fcp.ops.gla.fla import gla_fla_static
+
+NAMES = ("q", "k", "v", "a")
+
+
+def make_inputs(batch, seq, groups, heads, dk, dv, seed, dtype=torch.float32) -> dict:
+    """Mamba2-like inputs: q (C), k (B) and v of unit scale, log decays in [-4, 0] (mostly
+    small), ``heads`` a multiple of ``groups``."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    out = dict(q=rand(batch, seq, groups, dk), k=rand(batch, seq, groups, dk),
+               v=rand(batch, seq, heads, dv),
+               a=-4.0 * torch.rand(batch, seq, heads, generator=gen, dtype=torch.float64) ** 3)
+    return {n: x.to(dtype) for n, x in out.items()}
+
+
+def _ctx(env, doc_ids: torch.Tensor) -> PackedContext:
+    return PackedContext(doc_ids, group=env.group, cp_size=env.world_size, cp_rank=env.rank)
+
+
+def _local(env, x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[1] // env.world_size
+    return x[:, env.rank * n : (env.rank + 1) * n]
+
+
+def gla_fwd_bwd(env, inputs: dict, doc_ids, grad_out, chunk_size: int, compiled=False,
+                static_fla=False):  # fmt: skip
+    """Local output and local gradients of q, k, v, a for ``sum(out * grad_out)``;
+    ``static_fla``: the ``"fla"`` backend's composition on the CPU doubles of its ops."""
+    ctx = _ctx(env, doc_ids)
+    xs = {n: _local(env, inputs[n]).clone().requires_grad_() for n in NAMES}
+    if static_fla:
+        def fn(*args, chunk_size):
+            return gla_fla_static(*args, chunk_size=chunk_size)
+    else:
+        fn = gla
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    out = fn(*(xs[n] for n in NAMES), ctx, chunk_size=chunk_size)
+    (out.double() * _local(env, grad_out).double()).sum().backward()
+    return out.detach(), {n: xs[n].grad for n in NAMES}
+
+
+def gla_leak(env, inputs: dict, perturbed: dict, doc_ids, chunk_size: int):
+    """Local outputs for two input sets (no grad), to compare bitwise outside the changed doc."""
+    ctx = _ctx(env, doc_ids)
+    with torch.no_grad():
+        a = gla(*(_local(env, inputs[n]) for n in NAMES), ctx, chunk_size=chunk_size)
+        b = gla(*(_local(env, perturbed[n]) for n in NAMES), ctx, chunk_size=chunk_size)
+    return a, b
