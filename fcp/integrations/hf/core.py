@@ -27,7 +27,8 @@ given a ``cp_context`` runs, every replaced mixer of that model holds its qualif
 called without a context meanwhile raises a ``ValueError`` naming itself and its decoder layer.
 The same pre-hook rejects a KV cache: ``use_cache=True`` or a ``cache`` / ``past_key_values``
 together with a ``cp_context`` raise (fcp runs full packed sequences; an omitted ``use_cache``
-becomes ``False``).
+becomes ``False``), and image or video inputs (:data:`MULTIMODAL_INPUTS`, by keyword or by
+position): fcp's mixers run text tokens only, at document-local 1-D positions.
 
 The check runs in :meth:`FcpMixer.__call__`, outside a mixer compiled with
 ``mixer.compile(...)`` (which compiles ``_call_impl``), and reads the mark only when no context
@@ -43,7 +44,13 @@ from torch import nn
 
 from fcp.context import PackedContext, check_context
 
-__all__ = ["ContextScope", "FcpMixer", "packed_class", "replace"]
+__all__ = ["MULTIMODAL_INPUTS", "ContextScope", "FcpMixer", "packed_class", "replace"]
+
+#: A model forward's image / video arguments, refused with a ``cp_context``: under CP a vision
+#: tower would see every rank's image while the rank holds a shard of its placeholder tokens, and
+#: their mRoPE positions (3-D, not document-local) would be dropped.
+MULTIMODAL_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
+                     "mm_encoder_outputs")  # fmt: skip
 
 
 class FcpMixer(nn.Module):
@@ -129,6 +136,16 @@ def _check_no_cache(kwargs: dict, fn: str) -> None:
                          f"{found} with cp_context (pass use_cache=False)")  # fmt: skip
 
 
+def _multimodal_argument(args: tuple, kwargs: dict, positions: dict[str, int]) -> str | None:
+    """The image / video argument given (by keyword, or by position per ``positions``), if any."""
+    for name in MULTIMODAL_INPUTS:
+        i = positions.get(name)
+        value = kwargs.get(name, args[i] if i is not None and i < len(args) else None)
+        if value is not None:
+            return name
+    return None
+
+
 def replace(module: nn.Module, adapter: type[FcpMixer]) -> None:
     """Turn ``module`` (a transformers mixer that passed ``adapter.fcp_check``) into an fcp mixer
     in place (see the module doc)."""
@@ -143,11 +160,15 @@ class ContextScope:
 
     ``default_no_cache``: the model's ``forward`` takes ``use_cache``, which then defaults to
     ``False`` under a context (transformers' ``config.use_cache`` would build a cache).
+    ``multimodal_positions``: the positional index of each of the forward's
+    :data:`MULTIMODAL_INPUTS` parameters.
     """
 
-    def __init__(self, mixers: list[tuple[str, FcpMixer]], default_no_cache: bool):
+    def __init__(self, mixers: list[tuple[str, FcpMixer]], default_no_cache: bool,
+                 multimodal_positions: dict[str, int] | None = None):  # fmt: skip
         self.mixers = mixers
         self.default_no_cache = default_no_cache
+        self.multimodal_positions = multimodal_positions or {}
 
     @staticmethod
     def register(model: nn.Module, mixers: list[tuple[str, FcpMixer]]) -> None:
@@ -157,7 +178,8 @@ class ContextScope:
                 hook.__self__.mixers = mixers
                 return
         params = inspect.signature(model.forward).parameters
-        scope = ContextScope(mixers, "use_cache" in params)
+        positions = {n: i for i, n in enumerate(params) if n in MULTIMODAL_INPUTS}
+        scope = ContextScope(mixers, "use_cache" in params, positions)
         model.register_forward_pre_hook(scope.enter, with_kwargs=True)
         model.register_forward_hook(scope.exit, with_kwargs=True, always_call=True)
 
@@ -168,6 +190,10 @@ class ContextScope:
         fn = f"{type(model).__name__}.forward"
         check_context(ctx, fn=fn, name="cp_context")
         _check_no_cache(kwargs, fn)
+        found = _multimodal_argument(args, kwargs, self.multimodal_positions)
+        if found is not None:
+            raise ValueError(f"{fn}: image and video inputs are not supported with cp_context yet "
+                             f"(got {found}); fcp runs the text tokens of packed documents")  # fmt: skip
         if self.default_no_cache and "use_cache" not in kwargs:
             kwargs = dict(kwargs, use_cache=False)
         for name, mixer in self.mixers:
@@ -176,7 +202,8 @@ class ContextScope:
 
     def exit(self, model: nn.Module, args: tuple, kwargs: dict, output):
         # an enter that raised marked nothing, and sees the same kwargs here
-        if isinstance(kwargs.get("cp_context"), PackedContext) and _cache_argument(kwargs) is None:
+        if (isinstance(kwargs.get("cp_context"), PackedContext) and _cache_argument(kwargs) is None
+                and _multimodal_argument(args, kwargs, self.multimodal_positions) is None):  # fmt: skip
             for _, mixer in self.mixers:
                 mixer.fcp_expected_by = mixer.fcp_expected_by[:-1]
         return None
