@@ -7,11 +7,17 @@ adapter (:mod:`fcp.integrations.hf.models`) fills in or changes.
 * :class:`GatedDeltaNetMixer` (:mod:`.gdn`): short conv + Gated DeltaNet + SiLU-gated norm.
 * :class:`MlaMixer`, :class:`IndexedMlaMixer` (:mod:`.mla`): full and k-pool DSA indexed MLA.
 * :class:`GqaMixer` (:mod:`.gqa`): grouped-query attention, RoPE at document-local positions.
+* :class:`QsaGqaMixer` (:mod:`.qsa`): grouped-query attention over a QSA token selection.
+* :class:`PleMixer` (:mod:`.ple`): Per-Layer Embeddings (hashed n-grams of each document's own
+  token history, dilated conv).
 """
 
 from fcp.integrations.hf.mixers.gdn import GatedDeltaNetMixer
 from fcp.integrations.hf.mixers.gqa import GqaMixer
 from fcp.integrations.hf.mixers.kda import KdaMixer
 from fcp.integrations.hf.mixers.mla import IndexedMlaMixer, MlaMixer
+from fcp.integrations.hf.mixers.ple import PleMixer
+from fcp.integrations.hf.mixers.qsa import QsaGqaMixer
 
-__all__ = ["GatedDeltaNetMixer", "GqaMixer", "IndexedMlaMixer", "KdaMixer", "MlaMixer"]
+__all__ = ["GatedDeltaNetMixer", "GqaMixer", "IndexedMlaMixer", "KdaMixer", "MlaMixer", "PleMixer",
+           "QsaGqaMixer"]  # fmt: skip
