@@ -216,7 +216,7 @@ def _run(job: dict) -> dict:
     from fcp.integrations.hf import enable_packed_cp
 
     with torch.no_grad():
-        ids = job["documents"][0][None]
+        ids = max(job["documents"], key=len)[None]  # the longest: every layer's every phase
         before = plain(input_ids=ids, use_cache=False).last_hidden_state
         after = enable_packed_cp(plain)(input_ids=ids, use_cache=False).last_hidden_state
     extra = _float64_run(job) if job.get("float64") else {}
@@ -232,7 +232,8 @@ def per_document(family: str, config: dict, state_dict: dict, documents: list, c
     ``documents``: int64 ``[n_i]`` token ids; ``cotangents``: ``[n_i, hidden]``.
     Returns ``{"outputs": [[n_i, hidden]], "grads": [{param name: gradient}] (one per
     document), "tie_rows", "indexed_rows", "no_context_max_diff"}`` (the last: how far
-    ``enable_packed_cp(model)`` without a ``cp_context`` is from the original, on document 0);
+    ``enable_packed_cp(model)`` without a ``cp_context`` is from the original, on the longest
+    document);
     with ``float64``, also ``"outputs_float64"`` / ``"grads_float64"``: the same model in float64
     (its distance from the fp32 run is the reference's own rounding noise).
     """
