@@ -3,13 +3,18 @@
     python examples/demo.py                          # 4 gloo ranks: CP 4 (make demo)
     python examples/demo.py --dp 2 --cp 2            # data parallel 2 x context parallel 2
     python examples/demo.py --steps 50 --cp 2        # shorter
+    python examples/demo.py --model qwen4_exp        # transformers' Qwen4-Exp (Qwen3.8-Flash-Next)
     python examples/demo.py --model glm5             # fcp's home-made GLM-like example model
     torchrun --nproc-per-node 4 examples/demo.py --dp 2 --cp 2    # torchrun starts the ranks
 
 The model is transformers' own ``glm5_next`` architecture (KDA layers with short convs, a k-pool
 DSA indexed-MLA layer, MoE, hyper-connections) at the tiny size of
 ``examples/configs/glm5_next_tiny.json``, random init, with its token mixers on fcp
-(:mod:`examples.glm5_hf`). Every step reads a global batch of packed byte-level documents of
+(:mod:`examples.glm5_hf`). ``--model qwen4_exp`` trains the second seed system instead:
+transformers' own ``qwen4_exp`` (Qwen3.8-Flash-Next: Gated DeltaNet layers, two of them with
+hashed n-gram Per-Layer Embeddings and their dilated conv, a QSA-indexed attention layer, MoE,
+hyper-connections) at the size of ``examples/configs/qwen4_exp_tiny.json``
+(:mod:`examples.qwen4_exp_hf`). Every step reads a global batch of packed byte-level documents of
 Python's standard library; its rows are dealt to the ``--dp`` data-parallel replicas, and each
 replica's rows are sharded contiguously over its ``--cp`` ranks by ``fcp.shard_batch``. FSDP2
 shards the parameters over the flattened (dp, cp) mesh; each rank's loss is its token-loss sum
@@ -62,12 +67,13 @@ from fcp.loss import global_token_mean, loss_token_count  # noqa: E402
 
 __all__ = ["DemoOptions", "build", "train", "main"]
 
-MODELS = ("glm5-hf", "glm5", "qwen3")
+MODELS = ("glm5-hf", "qwen4_exp", "glm5", "qwen3")
 
 
 @dataclasses.dataclass
 class DemoOptions:
-    model: str = "glm5-hf"  # transformers' GLM-5.3-Flash on fcp; or fcp's examples "glm5"/"qwen3"
+    model: str = "glm5-hf"  # transformers' GLM-5.3-Flash on fcp; "qwen4_exp": transformers'
+    # Qwen4-Exp on fcp; or fcp's home-made examples "glm5" / "qwen3"
     steps: int = 200
     seq_len: int = 512  # tokens per row (each row is split over the CP ranks)
     batch_size: int = 1  # rows per data-parallel replica; the global batch has dp * batch_size
@@ -98,6 +104,10 @@ def build(opts: DemoOptions) -> torch.nn.Module:
         from examples.glm5_hf import Glm5NextLM
 
         return Glm5NextLM.from_config(**opts.model_overrides)
+    if opts.model == "qwen4_exp":
+        from examples.qwen4_exp_hf import Qwen4ExpLM
+
+        return Qwen4ExpLM.from_config(**opts.model_overrides)
     from examples.models import build_model
 
     return build_model(opts.model, **opts.model_overrides)
@@ -332,7 +342,9 @@ def _layer_names(model) -> list[str]:
     for mixer in model.mixers():
         n = type(mixer).__name__
         names.append("kda" if ("Linear" in n or "KDA" in n) else
-                     "dsa" if ("Glm5Attention" in n or "Sparse" in n) else n)  # fmt: skip
+                     "dsa" if ("Glm5Attention" in n or "Sparse" in n) else
+                     "gdn" if "GatedDeltaNet" in n else "qsa" if "Qwen4ExpTextAttention" in n else
+                     "ple" if "PLE" in n else n)  # fmt: skip
     return names
 
 
@@ -589,7 +601,8 @@ def _worker(rank: int, world: int, store_path: str, opts: DemoOptions, out_dir: 
 def parse_args(argv=None) -> tuple[DemoOptions, Path]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=MODELS, default="glm5-hf",
-                   help="glm5-hf: transformers' GLM-5.3-Flash on fcp (default); glm5 / qwen3: "
+                   help="glm5-hf: transformers' GLM-5.3-Flash on fcp (default); qwen4_exp: "
+                        "transformers' Qwen4-Exp (Qwen3.8-Flash-Next) on fcp; glm5 / qwen3: "
                         "fcp's home-made example models")  # fmt: skip
     p.add_argument("--layers", default=None,
                    help="glm5/qwen3 only: comma-separated mixers, e.g. kda,sparse")
@@ -615,7 +628,7 @@ def parse_args(argv=None) -> tuple[DemoOptions, Path]:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", type=Path, default=REPO / "reports" / "demo")
     a = p.parse_args(argv)
-    if a.layers and a.model == "glm5-hf":
+    if a.layers and a.model in ("glm5-hf", "qwen4_exp"):
         p.error("--layers applies to the glm5 / qwen3 example models")
     opts = DemoOptions(
         model=a.model,

@@ -32,30 +32,38 @@ CONFIG = Path(__file__).resolve().parent / "configs" / "glm5_next_tiny.json"
 
 
 class Glm5NextLM(nn.Module):
-    """transformers' ``Glm5NextTextModel`` on fcp plus a linear head over the byte vocabulary."""
+    """transformers' ``Glm5NextTextModel`` on fcp plus a linear head over the byte vocabulary.
+
+    A subclass for another transformers model sets ``config_path`` and overrides :meth:`build`
+    (and ``blocks``, ``mixers``, ``forward``; :class:`examples.qwen4_exp_hf.Qwen4ExpLM`)."""
 
     pad_multiple = 1  # no operator of this model needs more than the CP size
+    config_path = CONFIG
 
     def __init__(self, config: dict, seed: int = 0):
         super().__init__()
-        from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
-        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
-
         state = torch.random.get_rng_state()
         torch.manual_seed(seed)  # same weights on every rank and in the single-process twin
         try:
-            cfg = Glm5NextTextConfig(**{k: v for k, v in config.items() if not k.startswith("_")})
-            cfg._attn_implementation = "eager"  # unused by fcp's modules; no SDPA dispatch
-            self.backbone = enable_packed_cp(Glm5NextTextModel(cfg))
-            self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-            nn.init.normal_(self.head.weight, std=0.02)
+            self.build({k: v for k, v in config.items() if not k.startswith("_")})
         finally:
             torch.random.set_rng_state(state)
+
+    def build(self, config: dict) -> None:
+        """Make the model's modules from ``config`` (the JSON's keys), under the fixed seed."""
+        from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+        cfg = Glm5NextTextConfig(**config)
+        cfg._attn_implementation = "eager"  # unused by fcp's modules; no SDPA dispatch
+        self.backbone = enable_packed_cp(Glm5NextTextModel(cfg))
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.head.weight, std=0.02)
         self.config = cfg
 
     @classmethod
-    def from_config(cls, path: str | Path = CONFIG, **overrides) -> "Glm5NextLM":
-        config = json.loads(Path(path).read_text())
+    def from_config(cls, path: str | Path | None = None, **overrides) -> "Glm5NextLM":
+        config = json.loads(Path(path or cls.config_path).read_text())
         config.update(overrides)
         return cls(config)
 

@@ -4,8 +4,8 @@ Families (:func:`build`): ``"glm5_next"`` (GLM-5.3-Flash), ``"kimi_linear"`` (Ki
 ``"qwen3_next"`` (Qwen3-Next), ``"qwen3_5"`` / ``"qwen3_5_moe"`` (Qwen3.5 text models),
 ``"olmo_hybrid"`` (OLMo-Hybrid), ``"bailing_hybrid"`` (Bailing-Hybrid / Ling), the Mamba2
 hybrids ``"nemotron_h"`` (Nemotron-H), ``"granitemoehybrid"`` (Granite 4.0-H), ``"falcon_h1"``
-(Falcon-H1), ``"bamba"`` (Bamba), and ``"lfm2"`` / ``"lfm2_moe"`` (LFM2, LFM2-MoE), each with a
-tiny configuration below.
+(Falcon-H1), ``"bamba"`` (Bamba), ``"lfm2"`` / ``"lfm2_moe"`` (LFM2, LFM2-MoE) and
+``"qwen4_exp"`` (Qwen4-Exp's text model), each with a tiny configuration below.
 
 transformers binds its hybrid models' recurrent kernels to FLA's Triton kernels whenever FLA is
 importable, and those fail on a CPU; with FLA blocked (``sys.modules["fla"] = None`` before
@@ -25,7 +25,9 @@ scores (often exact zeros) at the selection boundary are common, and ``torch.top
 order unspecified. fcp's rule is documented: equal scores go to the earlier pool. The reference
 therefore runs the indexer with that rule (a stable descending sort in place of ``topk``, only
 inside the indexer's forward) and reports how many query rows the rule decided, i.e. where
-transformers' own ``topk`` picked a different, equally valid set.
+transformers' own ``topk`` picked a different, equally valid set. Qwen4-Exp's QSA indexer has the
+same cutoff ties (a block scores exactly 0 when every head's dot product is <= 0) and the same
+rule (equal scores to the earlier block); it returns a selection mask, read as sets per row.
 """
 
 from __future__ import annotations
@@ -168,6 +170,27 @@ LFM2_MOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64,
                      num_experts_per_tok=2, pad_token_id=0,
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
 
+#: Tiny Qwen4-Exp text model: Gated DeltaNet (2 key heads, 4 value heads) with PLE, Gated
+#: DeltaNet, QSA attention (4 query heads, 2 kv heads, head_dim 16, partial rotary 0.5: 8 rotated
+#: channels, mRoPE sections [2, 1, 1]; 2 index heads of 8, blocks of 4, budget 8 = 2 blocks),
+#: Gated DeltaNet with PLE; MoE everywhere, 2 hyper-connection streams; PLE: 3-grams (2 hashed
+#: orders x 2 heads of 4 over primes after 50), a width-4 conv at dilation 3; eos id 2.
+QWEN4_EXP_TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=4,
+                      layer_types=["linear_attention", "linear_attention", "indexed_attention",
+                                   "linear_attention"],
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                       "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]},
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                      linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16, hc_count=2, hc_lowrank=8,
+                      ple_layer_ids=[1, 4], ple_embed_dim=16, ple_conv_kernel_size=4,
+                      ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50,
+                      make_ngram_vocab_size_divisible_by=8, indexer_n_heads=2, indexer_kv_heads=1,
+                      indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4,
+                      pad_token_id=0, eos_token_id=2)  # fmt: skip
+
 #: Parameters whose default initialisation makes terms of the formulas vanish (all-ones gates,
 #: zero positional terms, zero-centred norms): the tests perturb them so every term matters.
 _PERTURB = ("index_kpool_compress", "k_norm", "A_log", "dt_bias", "o_norm", "layernorm",
@@ -188,67 +211,39 @@ _PERTURB_BY_FAMILY = {
     "bamba": ("A_log", "dt_bias", ".D", "norm", "conv1d"),
     "lfm2": ("norm", "conv"),
     "lfm2_moe": ("norm", "conv"),
+    # zero-centred norms (1 + w, w = 0), the PLE conv (zero init), the indexer's norms
+    "qwen4_exp": ("A_log", "dt_bias", "norm", "conv1d"),
 }
 
-#: family -> (transformers module, config class, text model class) of the families added with
-#: the Mamba2 and LFM2 hybrids
+#: family -> (transformers module, config class, text model class)
 _MODULES = {
+    "glm5_next": ("glm5_next", "Glm5NextTextConfig", "Glm5NextTextModel"),
+    "kimi_linear": ("kimi_linear", "KimiLinearConfig", "KimiLinearModel"),
+    "qwen3_next": ("qwen3_next", "Qwen3NextConfig", "Qwen3NextModel"),
+    "qwen3_5": ("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5TextModel"),
+    "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeTextModel"),
+    "olmo_hybrid": ("olmo_hybrid", "OlmoHybridConfig", "OlmoHybridModel"),
+    "bailing_hybrid": ("bailing_hybrid", "BailingHybridConfig", "BailingHybridModel"),
     "nemotron_h": ("nemotron_h", "NemotronHConfig", "NemotronHModel"),
     "granitemoehybrid": ("granitemoehybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridModel"),
     "falcon_h1": ("falcon_h1", "FalconH1Config", "FalconH1Model"),
     "bamba": ("bamba", "BambaConfig", "BambaModel"),
     "lfm2": ("lfm2", "Lfm2Config", "Lfm2Model"),
     "lfm2_moe": ("lfm2_moe", "Lfm2MoeConfig", "Lfm2MoeModel"),
+    "qwen4_exp": ("qwen4_exp", "Qwen4ExpTextConfig", "Qwen4ExpTextModel"),
 }
 
 
 def _model_class(family: str):
-    if family == "glm5_next":
-        from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
-        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+    if family not in _MODULES:
+        raise ValueError(f"unknown family {family!r}; known: {sorted(_MODULES)}")
+    import importlib
 
-        return Glm5NextTextConfig, Glm5NextTextModel
-    if family == "kimi_linear":
-        from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
-        from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearModel
-
-        return KimiLinearConfig, KimiLinearModel
-    if family == "qwen3_next":
-        from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
-        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextModel
-
-        return Qwen3NextConfig, Qwen3NextModel
-    if family == "qwen3_5":
-        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
-
-        return Qwen3_5TextConfig, Qwen3_5TextModel
-    if family == "qwen3_5_moe":
-        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
-        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel
-
-        return Qwen3_5MoeTextConfig, Qwen3_5MoeTextModel
-    if family == "olmo_hybrid":
-        from transformers.models.olmo_hybrid.configuration_olmo_hybrid import OlmoHybridConfig
-        from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridModel
-
-        return OlmoHybridConfig, OlmoHybridModel
-    if family == "bailing_hybrid":
-        from transformers.models.bailing_hybrid.configuration_bailing_hybrid import (
-            BailingHybridConfig,
-        )
-        from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridModel
-
-        return BailingHybridConfig, BailingHybridModel
-    if family in _MODULES:
-        import importlib
-
-        name, config_class, model_class = _MODULES[family]
-        package = f"transformers.models.{name}"
-        configs = importlib.import_module(f"{package}.configuration_{name}")
-        models = importlib.import_module(f"{package}.modeling_{name}")
-        return getattr(configs, config_class), getattr(models, model_class)
-    raise ValueError(f"unknown family {family!r}")
+    name, config_class, model_class = _MODULES[family]
+    package = f"transformers.models.{name}"
+    configs = importlib.import_module(f"{package}.configuration_{name}")
+    models = importlib.import_module(f"{package}.modeling_{name}")
+    return getattr(configs, config_class), getattr(models, model_class)
 
 
 def build(family: str, config: dict, seed: int = 0):
@@ -272,7 +267,15 @@ def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
     return torch.return_types.topk((self.gather(dim, order), order))
 
 
-def _indexer_selections(model, tie_rule: bool) -> list:
+def selection_rows(selection: torch.Tensor) -> list[set[int]]:
+    """The selected token set of every query of an indexer's output for one sequence: GLM's
+    token ids ``[1, L, W]`` (-1: none) or Qwen4-Exp's selection mask ``[1, 1, L, S]``."""
+    if selection.dtype == torch.bool:
+        return [set(torch.nonzero(row).flatten().tolist()) for row in selection[0, 0]]
+    return [set(row.tolist()) - {-1} for row in selection[0]]
+
+
+def indexer_selections(model, tie_rule: bool) -> list:
     """Record every indexer output of ``model``; with ``tie_rule``, its ``topk`` breaks ties by
     the earlier pool (only while an indexer runs)."""
     selections, original = [], torch.Tensor.topk
@@ -292,46 +295,73 @@ def _indexer_selections(model, tie_rule: bool) -> list:
     return selections
 
 
+def _forward_backward(model, ids: torch.Tensor, cot: torch.Tensor):
+    """``(output [n, hidden], {name: gradient})`` of ``sum(output * cot)``, in fp32."""
+    model.zero_grad(set_to_none=True)
+    dtype = next(model.parameters()).dtype
+    out = model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+    (out * cot.to(dtype)).sum().backward()
+    grads = {n: p.grad.clone().float() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach().float(), grads
+
+
+def _float64_run(job: dict) -> dict:
+    """The reference's own fp32 rounding, measured: the same model in float64 on each document
+    (fp64 has no grouped matmul, so the experts loop; transformers' Gated DeltaNet kernels
+    compute in fp32 whatever the dtype)."""
+    model = build(job["family"], job["config"], job["seed"])
+    model.load_state_dict(job["state_dict"])
+    model.double()
+    model.config._experts_implementation = "eager"
+    indexer_selections(model, True)
+    runs = [_forward_backward(model, ids, cot) for ids, cot in zip(job["documents"],
+                                                                   job["cotangents"])]  # fmt: skip
+    return {"outputs_float64": [o for o, _ in runs], "grads_float64": [g for _, g in runs]}
+
+
 def _run(job: dict) -> dict:
     model, plain = (build(job["family"], job["config"], job["seed"]) for _ in range(2))
     model.load_state_dict(job["state_dict"])
     plain.load_state_dict(job["state_dict"])
-    ours, theirs = _indexer_selections(model, True), _indexer_selections(plain, False)
+    ours, theirs = indexer_selections(model, True), indexer_selections(plain, False)
     outs, grads = [], []
     for ids, cot in zip(job["documents"], job["cotangents"]):
-        model.zero_grad(set_to_none=True)
-        out = model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
-        (out * cot).sum().backward()
-        outs.append(out.detach())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        out, grad = _forward_backward(model, ids, cot)
+        outs.append(out)
+        grads.append(grad)
         with torch.no_grad():
             plain(input_ids=ids[None], use_cache=False)
     # rows where transformers' own topk picked another (equally valid) set among tied scores
-    tie_rows = sum(set(a.tolist()) - {-1} != set(b.tolist()) - {-1}
-                   for sel_a, sel_b in zip(ours, theirs) for a, b in zip(sel_a[0], sel_b[0]))
+    tie_rows = sum(a != b for sel_a, sel_b in zip(ours, theirs)
+                   for a, b in zip(selection_rows(sel_a), selection_rows(sel_b)))
     # fcp's replacement modules without a cp_context run transformers' own code
     from fcp.integrations.hf import enable_packed_cp
 
     with torch.no_grad():
-        ids = job["documents"][0][None]
+        ids = max(job["documents"], key=len)[None]  # the longest: every layer's every phase
         before = plain(input_ids=ids, use_cache=False).last_hidden_state
         after = enable_packed_cp(plain)(input_ids=ids, use_cache=False).last_hidden_state
+    extra = _float64_run(job) if job.get("float64") else {}
     return {"outputs": outs, "grads": grads, "tie_rows": int(tie_rows),
-            "indexed_rows": sum(s.shape[1] for s in ours),
-            "no_context_max_diff": float((before - after).abs().max())}
+            "indexed_rows": sum(len(selection_rows(s)) for s in ours),
+            "no_context_max_diff": float((before - after).abs().max()), **extra}
 
 
 def per_document(family: str, config: dict, state_dict: dict, documents: list, cotangents: list,
-                 seed: int = 0) -> dict:  # fmt: skip
+                 seed: int = 0, float64: bool = False) -> dict:  # fmt: skip
     """Run transformers' model on each document alone in a subprocess with FLA blocked.
 
     ``documents``: int64 ``[n_i]`` token ids; ``cotangents``: ``[n_i, hidden]``.
     Returns ``{"outputs": [[n_i, hidden]], "grads": [{param name: gradient}] (one per
     document), "tie_rows", "indexed_rows", "no_context_max_diff"}`` (the last: how far
-    ``enable_packed_cp(model)`` without a ``cp_context`` is from the original, on document 0).
+    ``enable_packed_cp(model)`` without a ``cp_context`` is from the original, on the longest
+    document);
+    with ``float64``, also ``"outputs_float64"`` / ``"grads_float64"``: the same model in float64
+    (its distance from the fp32 run is the reference's own rounding noise).
     """
     return per_document_jobs([dict(family=family, config=config, state_dict=state_dict,
-                                   documents=documents, cotangents=cotangents, seed=seed)])[0]
+                                   documents=documents, cotangents=cotangents, seed=seed,
+                                   float64=float64)])[0]  # fmt: skip
 
 
 def per_document_jobs(jobs: list[dict]) -> list[dict]:

@@ -54,6 +54,13 @@ Supported mixers (:data:`SUPPORTED`; the adapters in :mod:`.models`, the kinds i
 
 Qwen3.5's vision-language wrappers hold the same text model: text runs on fcp, and image or
 video inputs given with a ``cp_context`` raise a ``ValueError`` (not supported yet).
+* Qwen4-Exp (``qwen4_exp``: Qwen3.8-Flash-Next; :mod:`.qwen4_exp`): ``Qwen4ExpTextGatedDeltaNet``
+  (Gated DeltaNet, separate projections), ``Qwen4ExpTextAttention`` (gated GQA over a QSA
+  selection: the indexer's ``ratio - 1`` token halo, ``ceil(L / ratio)`` compressed keys per
+  rank, K/V), ``Qwen4ExpTextPLELayer`` (hashed n-gram Per-Layer Embeddings: an integer halo of
+  ``ngram_size - 1`` token ids, the dilated conv's ``(width - 1) * ngram_size`` token halo) and
+  ``Qwen4ExpTextDecoderLayer`` (hands the context to its PLE, which transformers calls without
+  ``**kwargs``). Image / video inputs with a context raise.
 
 transformers binds these models' recurrent kernels to FLA's Triton kernels whenever FLA is
 importable (they fail on a CPU); given a ``cp_context`` the mixers never take that path: they run
@@ -73,8 +80,11 @@ from fcp.integrations.hf.mixers import (
     KdaMixer,
     MlaMixer,
     SsdMixer,
+    PleMixer,
+    QsaGqaMixer,
 )
 from fcp.integrations.hf.models import ADAPTERS
+from fcp.integrations.hf.qwen4_exp import ADAPTERS as QWEN4_EXP_ADAPTERS
 
 __all__ = [
     "SUPPORTED",
@@ -86,11 +96,14 @@ __all__ = [
     "KdaMixer",
     "MlaMixer",
     "SsdMixer",
+    "PleMixer",
+    "QsaGqaMixer",
     "enable_packed_cp",
 ]
 
-#: transformers class name -> the fcp mixer (a kind or a model's adapter) that replaces it.
-SUPPORTED = ADAPTERS
+#: transformers class name -> the fcp mixer (a kind or a model's adapter) that replaces it
+#: (:mod:`.models`; Qwen4-Exp's own module, :mod:`.qwen4_exp`, builds on its Qwen3-Next rows).
+SUPPORTED = {**ADAPTERS, **QWEN4_EXP_ADAPTERS}
 
 
 def enable_packed_cp(model: nn.Module) -> nn.Module:

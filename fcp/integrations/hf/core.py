@@ -46,7 +46,13 @@ from torch import nn
 
 from fcp.context import PackedContext, check_context
 
-__all__ = ["ContextScope", "FcpMixer", "packed_class", "replace"]
+__all__ = ["MULTIMODAL_INPUTS", "ContextScope", "FcpMixer", "packed_class", "replace"]
+
+#: A model forward's image / video arguments, refused with a ``cp_context``: under CP a vision
+#: tower would see every rank's image while the rank holds a shard of its placeholder tokens, and
+#: their mRoPE positions (3-D, not document-local) would be dropped.
+MULTIMODAL_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
+                     "mm_encoder_outputs")  # fmt: skip
 
 
 class FcpMixer(nn.Module):
@@ -132,14 +138,8 @@ def _check_no_cache(kwargs: dict, fn: str) -> None:
                          f"{found} with cp_context (pass use_cache=False)")  # fmt: skip
 
 
-#: Arguments of transformers' vision-language wrappers (Qwen3.5, Qwen-VL) that carry image or
-#: video inputs.
-_MULTIMODAL = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
-               "mm_encoder_outputs")  # fmt: skip
-
-
 def _multimodal_argument(arguments: dict) -> str | None:
-    return next((name for name in _MULTIMODAL if arguments.get(name) is not None), None)
+    return next((name for name in MULTIMODAL_INPUTS if arguments.get(name) is not None), None)
 
 
 def _check_text_only(arguments: dict, fn: str) -> None:

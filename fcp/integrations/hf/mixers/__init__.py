@@ -10,6 +10,9 @@ adapter (:mod:`fcp.integrations.hf.models`) fills in or changes.
 * :class:`SsdMixer` (:mod:`.mamba2`): Mamba2's conv over ``[x | B | C]`` + SSD (gated linear
   attention) + D skip + gated RMSNorm.
 * :class:`GatedShortConvMixer` (:mod:`.short_conv`): LFM2's gated depthwise short conv.
+* :class:`QsaGqaMixer` (:mod:`.qsa`): grouped-query attention over a QSA token selection.
+* :class:`PleMixer` (:mod:`.ple`): Per-Layer Embeddings (hashed n-grams of each document's own
+  token history, dilated conv).
 """
 
 from fcp.integrations.hf.mixers.gdn import GatedDeltaNetMixer
@@ -17,7 +20,9 @@ from fcp.integrations.hf.mixers.gqa import GqaMixer
 from fcp.integrations.hf.mixers.kda import KdaMixer
 from fcp.integrations.hf.mixers.mamba2 import SsdMixer
 from fcp.integrations.hf.mixers.mla import IndexedMlaMixer, MlaMixer
+from fcp.integrations.hf.mixers.ple import PleMixer
+from fcp.integrations.hf.mixers.qsa import QsaGqaMixer
 from fcp.integrations.hf.mixers.short_conv import GatedShortConvMixer
 
 __all__ = ["GatedDeltaNetMixer", "GatedShortConvMixer", "GqaMixer", "IndexedMlaMixer", "KdaMixer",
-           "MlaMixer", "SsdMixer"]  # fmt: skip
+           "MlaMixer", "PleMixer", "QsaGqaMixer", "SsdMixer"]  # fmt: skip
