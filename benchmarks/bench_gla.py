@@ -11,8 +11,12 @@ has no packing: on packed rows it would run once per document). Shapes: Mamba2-l
 
 1. At ``--compare-len`` tokens (4k): both, side by side; time ratio and the relative difference
    of their outputs (``max |fcp - hf| / max |hf|``: equal results).
-2. ``--lengths`` 1k-16k: fcp alone, time per token (flat = linear cost), ratio of the longest
-   to the shortest.
+2. ``--lengths`` 1k-16k: fcp alone, time and minor page faults per token (flat = linear cost),
+   each sweep in a fresh process, twice: with glibc's default allocator, which maps every block
+   above 32 MiB fresh from the kernel (``mmap``) and page-faults on its first touch, and with
+   the heap only (``mallopt(M_MMAP_MAX, 0)``), where freed blocks are reused. Tensors cross
+   32 MiB at 8-16k tokens with 8 heads (a few hundred tokens with a real model's heads), so
+   the first sweep shows the allocator's step and the second the operator's own cost.
 
 Time: median of ``--repeats`` runs after one warm-up, process CPU time with ``--threads`` 1 (the
 variants interleaved; steadier than wall time on a shared machine).
@@ -24,9 +28,16 @@ variants interleaved; steadier than wall time on a shared machine).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import inspect
+import json
+import os
+import resource
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +45,7 @@ import torch.nn.functional as F
 from fcp.context import PackedContext
 from fcp.ops.gla import gla
 
+ROOT = Path(__file__).resolve().parents[1]
 LIMIT = (0.0, float("inf"))  # Mamba2's default time_step_limit
 
 
@@ -83,7 +95,7 @@ def timed(fns: dict, xs: dict, repeats: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--compare-len", type=int, default=4096)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
@@ -94,7 +106,10 @@ def main(argv=None) -> dict:
     p.add_argument("--hf-chunk", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--sweep", choices=["default", "heap"], help=argparse.SUPPRESS)  # one sweep
     args = p.parse_args(argv)
+    if args.sweep:
+        return _sweep(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -112,25 +127,59 @@ def _run(args) -> dict:
     xs = make(seq, *shape)
     ctx = PackedContext(torch.ones(1, seq, dtype=torch.long))
     fns = {"fcp": lambda t: fcp_ssd(t, ctx), "hf": lambda t: hf_ssd(t, args.hf_chunk)}
-    diff = (step(fns["fcp"], xs) - step(fns["hf"], xs)).abs().max() / step(fns["hf"], xs).abs().max()
+    ours, theirs = step(fns["fcp"], xs), step(fns["hf"], xs)
+    diff = (ours - theirs).abs().max() / theirs.abs().max()
     t = timed(fns, xs, args.repeats)
     compare = dict(seq=seq, fcp_s=t["fcp"], hf_s=t["hf"], ratio=t["hf"] / t["fcp"],
                    rel_diff=float(diff), hf_chunk=args.hf_chunk)  # fmt: skip
     print(f"\n{seq} tokens: fcp.gla {t['fcp']:.3f} s, transformers mamba2_chunk_scan (chunk "
           f"{args.hf_chunk}) {t['hf']:.3f} s: fcp {compare['ratio']:.1f}x faster; outputs differ by "
           f"{compare['rel_diff']:.1e} (max |fcp - hf| / max |hf|)")
-    print(f"\n{'seq':>6} {'fcp s':>8} {'us/token':>9}")
+    sweeps = {kind: _sweep_process(args, kind) for kind in ("default", "heap")}
+    print(f"\n{'seq':>6} {'us/token':>9} {'faults/token':>13} {'us/token heap':>14} "
+          f"{'faults/token heap':>18}")
+    for d, h in zip(sweeps["default"], sweeps["heap"]):
+        print(f"{d['seq']:>6} {d['us_per_token']:9.1f} {d['faults_per_token']:13.1f} "
+              f"{h['us_per_token']:14.1f} {h['faults_per_token']:18.1f}")
+    flat = {kind: rows[-1]["us_per_token"] / rows[0]["us_per_token"] for kind, rows in sweeps.items()}
+    first, last = sweeps["default"][0]["seq"], sweeps["default"][-1]["seq"]
+    print(f"per-token cost at {last} / at {first} tokens (1.00 = linear in the length): "
+          f"{flat['default']:.2f} with glibc's default allocator, {flat['heap']:.2f} heap only")
+    return dict(compare=compare, lengths=sweeps, flat_ratio=flat)
+
+
+def _sweep_process(args, kind: str) -> list[dict]:
+    """One length sweep in a fresh process (the allocator's state is per process)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--sweep", kind, "--repeats",
+           str(args.repeats), "--threads", str(args.threads), "--heads", str(args.heads),
+           "--groups", str(args.groups), "--head-dim", str(args.head_dim), "--state",
+           str(args.state), "--lengths", *map(str, args.lengths)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _sweep(args) -> None:
+    if args.sweep == "heap":
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: no block from mmap, every block from the heap
+        libc.mallopt(-1, 2**40)  # M_TRIM_THRESHOLD: keep freed heap memory for reuse
+    torch.set_num_threads(args.threads)
     rows = []
     for seq in args.lengths:
-        xs = make(seq, *shape)
+        xs = make(seq, args.heads, args.groups, args.head_dim, args.state)
         ctx = PackedContext(torch.ones(1, seq, dtype=torch.long))
-        s = timed({"fcp": lambda t: fcp_ssd(t, ctx)}, xs, args.repeats)["fcp"]
-        rows.append(dict(seq=seq, fcp_s=s, us_per_token=1e6 * s / seq))
-        print(f"{seq:>6} {s:8.3f} {rows[-1]['us_per_token']:9.1f}", flush=True)
-    flat = rows[-1]["us_per_token"] / rows[0]["us_per_token"]
-    print(f"per-token cost at {rows[-1]['seq']} / at {rows[0]['seq']} tokens: {flat:.2f} "
-          "(1.00 = linear in the length)")
-    return dict(compare=compare, lengths=rows, flat_ratio=flat)
+        step(lambda t: fcp_ssd(t, ctx), xs)  # warm-up
+        times, faults = [], []
+        for _ in range(args.repeats):
+            f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
+            step(lambda t: fcp_ssd(t, ctx), xs)
+            times.append(time.process_time() - t0)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+        rows.append(dict(seq=seq, fcp_s=statistics.median(times),
+                         us_per_token=1e6 * statistics.median(times) / seq,
+                         faults_per_token=statistics.median(faults) / seq))  # fmt: skip
+    print(json.dumps(rows))
 
 
 if __name__ == "__main__":

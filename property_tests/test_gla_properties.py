@@ -10,9 +10,10 @@ gloo groups, 1-4 ranks).
 * No leakage: replacing every token of one document (or of the pad tail) leaves every other
   output bitwise unchanged (``torch.equal``), with and without CP.
 
-Layouts mix documents shorter than a chunk (often one token), documents spanning every rank,
-pad tails (ranks holding only padding), GQA (heads = 1-3 x groups) and chunks smaller and larger
-than a shard, so chunk and rank boundaries fall inside documents, on them and in the padding.
+Layouts (:func:`tests.support.strategies.packing`) mix documents shorter than a chunk (often
+one token), documents spanning every rank, pad tails (ranks holding only padding), GQA (heads =
+1-3 x groups) and chunks smaller and larger than a shard, so chunk and rank boundaries fall
+inside documents, on them and in the padding.
 """
 
 from __future__ import annotations
@@ -25,23 +26,8 @@ from fcp.ops.gla import gla
 from fcp.ops.gla.reference import gla_reference
 from tests import _gla_rank_fns as fns
 from tests._gla_rank_fns import NAMES, make_inputs
-from tests._kda_rank_fns import doc_ids_from_lengths, rel_err
-
-
-@st.composite
-def layout(draw, batch: int, total: int) -> torch.Tensor:
-    """``[batch, total]`` doc ids: per row, short (1-3 token), medium or whole-row documents,
-    then a pad tail (none, short, or most of the row)."""
-    rows = []
-    for _ in range(batch):
-        pad = draw(st.sampled_from([0, 0, 1, total // 2, total - 1]))
-        lens, left = [], total - pad
-        while left:
-            n = draw(st.one_of(st.integers(1, 3), st.integers(1, max(1, total // 3)), st.just(total)))
-            lens.append(min(n, left))
-            left -= lens[-1]
-        rows.append((lens, pad))
-    return doc_ids_from_lengths(rows)
+from tests._kda_rank_fns import rel_err
+from tests.support.strategies import one_document, packing
 
 
 @st.composite
@@ -53,7 +39,7 @@ def problem(draw, max_world: int = 4):
     heads = groups * draw(st.sampled_from([1, 2, 3]))
     dk, dv = draw(st.sampled_from([4, 8, 16])), draw(st.sampled_from([4, 8]))
     chunk = draw(st.sampled_from([4, 8, 16, 64]))
-    doc_ids = draw(layout(batch, world * local))
+    doc_ids = draw(packing(batch, world * local))
     seed = draw(st.integers(0, 2**16))
     return world, chunk, doc_ids, make_inputs(batch, world * local, groups, heads, dk, dv, seed)
 
@@ -106,17 +92,12 @@ def test_single_process_equals_reference_fp64(prob):
 @given(problem(), st.data())
 def test_other_documents_bitwise_unchanged(rank_pool, prob, data):
     world, chunk, doc_ids, inputs = prob
-    row = data.draw(st.integers(0, doc_ids.shape[0] - 1))
-    victim = data.draw(st.sampled_from(sorted(set(doc_ids[row].tolist()))))
-    inside = torch.zeros_like(doc_ids, dtype=torch.bool)
-    inside[row] = doc_ids[row] == victim
+    inside = one_document(data, doc_ids)
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    perturbed = {}
-    for n, x in inputs.items():
-        noise = 3 * torch.randn(x.shape, generator=gen)
-        noise = -noise.abs() if n == "a" else noise  # keep a a decay
-        perturbed[n] = torch.where(inside.view(*inside.shape, *([1] * (x.dim() - 2))), noise, x)
-    results = rank_pool.run(fns.gla_leak, world, inputs, perturbed, doc_ids, chunk)
-    a = torch.cat([r[0] for r in results], 1)
-    b = torch.cat([r[1] for r in results], 1)
-    assert torch.equal(a[~inside], b[~inside])
+    # new values for every token of that run (a stays a decay)
+    noise = {n: 3 * torch.randn(x.shape, generator=gen) for n, x in inputs.items()}
+    noise["a"] = -noise["a"].abs()
+    mask = {n: inside.view(*inside.shape, *([1] * (x.dim() - 2))) for n, x in inputs.items()}
+    perturbed = {n: torch.where(mask[n], noise[n], x) for n, x in inputs.items()}
+    clean, dirty = zip(*rank_pool.run(fns.gla_leak, world, inputs, perturbed, doc_ids, chunk))
+    assert torch.equal(torch.cat(clean, 1)[~inside], torch.cat(dirty, 1)[~inside])

@@ -15,14 +15,17 @@ head, with ``D(i, t] = sum_{i < s <= t} a_s`` (inside one document)::
 How it stays exact and static:
 
 * Runs (documents and the pad tail) are numbered by a cumulative sum of run starts over the
-  replicated global map; cross-run terms are removed with ``torch.where`` (exact zeros), before
-  any exponential (no ``inf`` is formed, and a masked entry's gradient is an exact zero).
+  replicated global map. Cross-run pairs inside a chunk are removed with ``torch.where`` (exact
+  zeros, also for a product that overflowed), before any exponential (no ``inf`` is formed, and
+  a masked entry's gradient is an exact zero); the state entering a chunk reaches only the
+  tokens of the run carried into it, through decays that are exact zeros for the others.
 * Every exponent is a *direct* sum of the ``a``'s it spans (:func:`segment_sums`: a masked
-  cumulative sum per pair, Mamba2's "stable segsum"), never a difference of long cumulative
-  sums: ``<= 0`` for ``a <= 0`` (no overflow at any decay) and no cancellation, also in the
-  gradient of ``a``.
-* ``q . k`` is formed once per group (GQA), not per head; the decays broadcast over the heads
-  of a group.
+  cumulative sum per pair, Mamba2's "stable segsum"; reversed cumulative sums to the chunk
+  end), never a difference of long cumulative sums: ``<= 0`` for ``a <= 0`` (no overflow at
+  any decay) and no cancellation, also in the gradient of ``a`` (:class:`_DecayedScores`'s
+  hand-written backward keeps direct sums).
+* ``q . k`` is formed once per group (GQA), not per head, and the state matmuls run one
+  ``[C, K] @ [K, R V]`` product per group and chunk for the group's ``R`` heads.
 * The chunk recurrence is diagonal (a scalar per chunk and head), composed by
   :func:`fcp.scan.decay_scan`: log depth, no Python loop over chunks, so a compiled graph does
   not grow with the sequence length.
@@ -166,7 +169,8 @@ def gla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     # serves the group's R heads, with no broadcast copy of q or k.
     qc = (tokens(q) * scale).permute(0, 3, 1, 2, 4)  # [B, G, N, C, K]
     kc = tokens(k).permute(0, 3, 1, 2, 4)
-    vc = tokens(v).unflatten(3, (groups, rep)).permute(0, 3, 4, 1, 2, 5)  # [B, G, R, N, C, V]
+    vt = tokens(v).unflatten(3, (groups, rep)).permute(0, 3, 1, 2, 4, 5)  # [B, G, N, C, R, V]
+    vc = vt.permute(0, 1, 4, 2, 3, 5)  # [B, G, R, N, C, V]
     ac = tokens(a[..., None])[..., 0].unflatten(3, (groups, rep)).permute(0, 3, 4, 1, 2)
     seg, prev = chunk_runs(context, n, c)
     seg, prev = seg[:, None, None], prev[:, None, None]  # [B, 1, 1, N, C], [B, 1, 1, N]
@@ -183,7 +187,7 @@ def gla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     # D(i, end] = sum_{s > i} a_s (a reversed cumulative sum, shifted: direct sums)
     after = torch.nn.functional.pad(ac.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
     to_end = _masked_exp(seg == seg[..., -1:], after)  # exp(D(i, end]) for the last run
-    v_end = (vc * to_end[..., None]).permute(0, 1, 3, 4, 2, 5).flatten(-2)  # [B, G, N, C, R V]
+    v_end = (vt * to_end.permute(0, 1, 3, 4, 2)[..., None]).flatten(-2)  # [B, G, N, C, R V]
     kv = _bmm(kc.transpose(-1, -2), v_end)  # [B, G, N, K, R V]
     dec_cols = dec.permute(0, 1, 3, 2)[..., None, :, None].expand(-1, -1, -1, 1, -1, dv)
     states, final = decay_scan(dec_cols.flatten(-2), kv)  # the state entering each chunk
@@ -195,8 +199,9 @@ def gla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         entering = prefix.permute(0, 1, 3, 2)[:, :, :, None, :, None] * s_in.transpose(2, 3)[:, :, None]
         states = states + entering.flatten(-2)  # [B, G, N, K, R V]
     inter = _bmm(qc, states).unflatten(-1, (rep, dv))  # [B, G, N, C, R, V]
-    carried = (seg == prev[..., None])[:, 0, :, :, :, None, None]  # [B, 1, N, C, 1, 1]
+    # decay_in is an exact 0 for tokens not carried into their chunk: the entering state (finite)
+    # adds exact zeros to them
     decay_in = decay_in.permute(0, 1, 3, 4, 2)[..., None]  # [B, G, N, C, R, 1]
-    out = intra + torch.where(carried, decay_in * inter, 0.0)
+    out = (decay_in * inter).add_(intra)  # [B, G, N, C, R, V]
     out = out.permute(0, 2, 3, 1, 4, 5).reshape(bsz, n * c, heads, dv)
     return out[:, :length].to(v.dtype)
