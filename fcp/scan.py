@@ -248,7 +248,8 @@ def _up_decay(dec: torch.Tensor, b: torch.Tensor, reverse: bool = False):
     while dec.shape[-3] > 1:
         d_l, d_r, d_odd = _pairs(dec)
         b_l, b_r, b_odd = _pairs(b)
-        dec, b = d_r * d_l, (torch.addcmul(b_l, d_l, b_r) if reverse else torch.addcmul(b_r, d_r, b_l))
+        b = torch.addcmul(b_l, d_l, b_r) if reverse else torch.addcmul(b_r, d_r, b_l)
+        dec = d_r * d_l
         if d_odd is not None:
             dec, b = torch.cat([dec, d_odd], -3), torch.cat([b, b_odd], -3)
         ld.append(dec)

@@ -196,8 +196,8 @@ def gla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         eye = torch.eye(dk, dtype=dt, device=q.device)
         s_final = final.unflatten(-1, (rep, dv)).transpose(2, 3)  # [B, G, R, K, V]
         s_in = state_chain(total[..., None, None] * eye, s_final, context).to(dt)
-        entering = prefix.permute(0, 1, 3, 2)[:, :, :, None, :, None] * s_in.transpose(2, 3)[:, :, None]
-        states = states + entering.flatten(-2)  # [B, G, N, K, R V]
+        reach = prefix.permute(0, 1, 3, 2)[:, :, :, None, :, None]  # [B, G, N, 1, R, 1]
+        states = states + (reach * s_in.transpose(2, 3)[:, :, None]).flatten(-2)  # [B, G, N, K, R V]
     inter = _bmm(qc, states).unflatten(-1, (rep, dv))  # [B, G, N, C, R, V]
     # decay_in is an exact 0 for tokens not carried into their chunk: the entering state (finite)
     # adds exact zeros to them

@@ -62,7 +62,8 @@ def gla_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.T
 
 
 def gla_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
-                  context: PackedContext | torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                  context: PackedContext | torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
     """Single-process :func:`fcp.ops.gla.gla` by the per-token recurrence, state reset at every
     document start (and at the pad tail).
 
