@@ -98,6 +98,7 @@ def main(argv=None) -> Path:
         bench_attention,
         bench_comm,
         bench_gdn,
+        bench_gla,
         bench_glm5_cp,
         bench_index_attention,
         bench_isolation,
@@ -135,6 +136,12 @@ def main(argv=None) -> Path:
                                                             ["1024", "2048", "4096", "8192"]),
                                                "--repeats", "3" if q else "5"])  # fmt: skip
     sections.append(("Gated DeltaNet: scalar gate vs the gate broadcast to [.., K] (CPU)", text))
+    print("gated linear attention (Mamba2's SSD) ...", flush=True)
+    gla_row, text = _capture(bench_gla.main, ["--repeats", "2" if q else "5", "--lengths",
+                                              *(["1024", "4096"] if q else
+                                                ["1024", "2048", "4096", "8192", "16384"])])
+    sections.append(("Gated linear attention (Mamba2's SSD) vs transformers' PyTorch SSD (CPU)",
+                     text))
     print("KDA chunk scan vs loop (includes two cold inductor compiles) ...", flush=True)
     scan_row, text = _capture(bench_kda_scan.main, ["--repeats", "3" if q else "7",
                                                     "--compile-lens", "1024",
@@ -222,6 +229,16 @@ def main(argv=None) -> Path:
     head.append(f"| GDN scalar gate vs gate broadcast to K ({r['seq']} tokens, K=V=128): time / "
                 f"peak memory / saved activations, broadcast over scalar | {r['time_ratio']:.2f}x "
                 f"/ {r['peak_ratio']:.2f}x / {r['saved_ratio']:.2f}x |")
+    c = gla_row["compare"]
+    head.append(f"| fcp.gla (Mamba2 SSD layer scan) fwd+bwd at {c['seq']} tokens vs transformers' "
+                f"PyTorch mamba2_chunk_scan: speed-up (target >= 5x) / output difference | "
+                f"{c['ratio']:.1f}x / {c['rel_diff']:.0e} |")
+    rows = gla_row["lengths"]["heap"]
+    head.append(f"| fcp.gla us per token at {rows[0]['seq'] // 1024}k / {rows[-1]['seq'] // 1024}k "
+                f"tokens, heap allocator / glibc default (flat = linear) | "
+                f"{rows[0]['us_per_token']:.0f} / {rows[-1]['us_per_token']:.0f}; "
+                f"{gla_row['lengths']['default'][0]['us_per_token']:.0f} / "
+                f"{gla_row['lengths']['default'][-1]['us_per_token']:.0f} |")
     for r in sc_rows:
         if r["world"] > 1:
             base = next(b for b in sc_rows if b["tokens"] == r["tokens"] and b["world"] == 1)

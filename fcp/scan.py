@@ -75,9 +75,11 @@ Without the delta rule (gated linear attention, Mamba2's SSD: :mod:`fcp.ops.gla`
 is ``S_{i+1} = dec_i * S_i + B_i`` with ``dec_i`` a scalar (or a ``[K, 1]`` column) per chunk:
 :func:`decay_scan` composes it on the same tree with elementwise products instead of ``[K, K]``
 matmuls (up-sweep ``dec = dec_r dec_l``, ``B = dec_r B_l + B_r``; down-sweep ``X_r = dec_l X +
-B_l``), ``O(N K V)`` work in ``O(log N)`` steps. Backward, hand-written on the same tree as
-above: ``L_i = dec_i L_{i+1} + G_S_i`` (the forward ``dec`` levels reused), then ``dB_i =
-L_{i+1}`` and ``ddec_i = sum(L_{i+1} * S_i)`` over the broadcast dimensions. An exact zero
+B_l``), ``O(N K V)`` work in ``O(log N)`` steps. The down-sweep writes the states in place
+into one buffer (no per-level interleaving copies). Backward, hand-written: the adjoint
+``L_i = dec_i L_{i+1} + G_S_i`` is scanned on the same tree from the right end (a node's
+adjoint lives at its last chunk, so nothing is reversed or copied), then ``dB_i = L_{i+1}``
+and ``ddec_i = sum(L_{i+1} * S_i)`` over the broadcast dimensions. An exact zero
 ``dec_i`` (a document start inside chunk ``i``) makes every composite spanning it an exact zero,
 so no term of an earlier document reaches a later one.
 """
@@ -237,13 +239,17 @@ def chunk_scan(
 # ---------------------------------------------------------------------------------------------
 # diagonal transitions: decay_scan
 # ---------------------------------------------------------------------------------------------
-def _up_decay(dec: torch.Tensor, b: torch.Tensor):
-    """Up-sweep of ``S -> dec * S + b``: per-level lists of ``dec`` and ``b``, last level one node."""
+def _up_decay(dec: torch.Tensor, b: torch.Tensor, reverse: bool = False):
+    """Up-sweep: per-level lists of ``dec`` and ``b``, the last level one node. A node composes
+    its children ``l``, ``r`` as ``dec = dec_l dec_r`` and ``b = dec_r b_l + b_r`` (the map
+    ``S -> dec * S + b``), or, ``reverse``, ``b = dec_l b_r + b_l`` (the adjoint map, applied
+    from the right end). An odd last node is carried up unchanged."""
     ld, lb = [dec], [b]
     while dec.shape[-3] > 1:
         d_l, d_r, d_odd = _pairs(dec)
         b_l, b_r, b_odd = _pairs(b)
-        dec, b = d_r * d_l, torch.addcmul(b_r, d_r, b_l)
+        b = torch.addcmul(b_l, d_l, b_r) if reverse else torch.addcmul(b_r, d_r, b_l)
+        dec = d_r * d_l
         if d_odd is not None:
             dec, b = torch.cat([dec, d_odd], -3), torch.cat([b, b_odd], -3)
         ld.append(dec)
@@ -251,39 +257,52 @@ def _up_decay(dec: torch.Tensor, b: torch.Tensor):
     return ld, lb
 
 
-def _down_decay(ld, lb, x: torch.Tensor) -> torch.Tensor:
-    """Down-sweep of states from ``x [..., 1, K, V]`` (entering the root) -> ``[..., N, K, V]``."""
-    for dec, b in zip(reversed(ld[:-1]), reversed(lb[:-1])):
-        d_l, _, odd = _pairs(dec)
-        b_l = _pairs(b)[0]
-        xp = x if odd is None else x[..., : d_l.shape[-3], :, :]
-        x = _interleave(xp, torch.addcmul(b_l, d_l, xp), None if odd is None else x[..., -1:, :, :])
-    return x
+def _empty_states(dec: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    shape = torch.broadcast_shapes(b.shape, dec.shape, x.shape)
+    return torch.empty(shape, dtype=b.dtype, device=b.device)
 
 
-def _rev_up_decay(ld, g: torch.Tensor):
-    """Up-sweep of the adjoint maps ``L -> dec * L + g`` in reverse order: ``g_node = g_l +
-    dec_l g_r`` (the ``dec`` levels are the forward's)."""
-    gl = [g]
-    for dec in ld[:-1]:
-        d_l = _pairs(dec)[0]
-        g_l, g_r, odd = _pairs(g)
-        g = torch.addcmul(g_l, d_l, g_r)
-        if odd is not None:
-            g = torch.cat([g, odd], -3)
-        gl.append(g)
-    return gl
+def _decay_sweeps(dec: torch.Tensor, b: torch.Tensor, x0: torch.Tensor):
+    """``(states [..., N, K, V], final [..., K, V])`` of ``S -> dec * S + b`` from ``x0 [..., 1,
+    K, V]``: the up-sweep, then the down-sweep written in place into one buffer. A level-``l``
+    node ``j`` covers chunks ``[j 2^l, (j + 1) 2^l)`` (clipped at ``N``), so its entering state
+    lives at ``states[j 2^l]``: a left child shares it, a right child's is ``dec_l * it + b_l``,
+    one strided ``addcmul`` per level."""
+    ld, lb = _up_decay(dec, b)
+    states = _empty_states(dec, b, x0)
+    states[..., :1, :, :] = x0
+    for level in range(len(ld) - 2, -1, -1):
+        step, pairs = 2**level, ld[level].shape[-3] // 2
+        left = slice(0, 2 * pairs, 2)
+        entering = states[..., :: 2 * step, :, :][..., :pairs, :, :]
+        states[..., step :: 2 * step, :, :] = torch.addcmul(
+            lb[level][..., left, :, :], ld[level][..., left, :, :], entering
+        )
+    return states, torch.addcmul(lb[-1], ld[-1], x0)[..., 0, :, :]
 
 
-def _rev_down_decay(ld, gl, x: torch.Tensor) -> torch.Tensor:
-    """Down-sweep of adjoints from ``x [..., 1, K, V]`` (after the root's range) -> the adjoint
-    after every chunk, ``L_{i+1}``, ``[..., N, K, V]``."""
-    for dec, g in zip(reversed(ld[:-1]), reversed(gl[:-1])):
-        _, d_r, odd = _pairs(dec)
-        g_r = _pairs(g)[1]
-        xp = x if odd is None else x[..., : d_r.shape[-3], :, :]
-        x = _interleave(torch.addcmul(g_r, d_r, xp), xp, None if odd is None else x[..., -1:, :, :])
-    return x
+def _adjoint_sweeps(dec: torch.Tensor, g: torch.Tensor, x_end: torch.Tensor):
+    """The reverse recurrence ``L_i = dec_i L_{i+1} + g_i`` from ``L_N = x_end [..., 1, K, V]``:
+    ``(L_{i+1} for every chunk i [..., N, K, V], L_0 [..., K, V])``, on the forward's tree. A
+    node's adjoint *after* its range lives at its last chunk (clipped at ``N``): a right child
+    shares it, a left child's is ``dec_r * it + g_r`` (no reversal copies)."""
+    n = g.shape[-3]
+    ld, lg = _up_decay(dec, g, reverse=True)
+    after = _empty_states(dec, g, x_end)
+    after[..., n - 1 :, :, :] = x_end
+    for level in range(len(ld) - 2, -1, -1):
+        step, pairs = 2**level, ld[level].shape[-3] // 2
+        right = slice(1, 2 * pairs, 2)
+        g_r, d_r = lg[level][..., right, :, :], ld[level][..., right, :, :]
+        full = min(pairs, (n - 2 * step) // (2 * step) + 1)  # pairs whose right child is whole
+        src = after[..., 2 * step - 1 :: 2 * step, :, :][..., :full, :, :]
+        dst = after[..., step - 1 :: 2 * step, :, :]
+        dst[..., :full, :, :] = torch.addcmul(g_r[..., :full, :, :], d_r[..., :full, :, :], src)
+        if full < pairs:  # the last right child is cut short by N: its end is chunk N - 1
+            dst[..., full:pairs, :, :] = torch.addcmul(
+                g_r[..., full:, :, :], d_r[..., full:, :, :], after[..., n - 1 :, :, :]
+            )
+    return after, torch.addcmul(lg[-1], ld[-1], x_end)[..., 0, :, :]
 
 
 class _DecayScan(torch.autograd.Function):
@@ -291,30 +310,23 @@ class _DecayScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dec, b, s0):
-        ld, lb = _up_decay(dec, b)
         x0 = b.new_zeros(*b.shape[:-3], 1, *b.shape[-2:]) if s0 is None else s0[..., None, :, :]
-        states = _down_decay(ld, lb, x0)
-        final = torch.addcmul(lb[-1], ld[-1], x0)[..., 0, :, :]
+        states, final = _decay_sweeps(dec, b, x0)
         ctx.has_s0 = s0 is not None
-        ctx.dec_shape = dec.shape
-        ctx.save_for_backward(states, *ld)
+        ctx.save_for_backward(states, dec)
         return states, final
 
     @staticmethod
     def backward(ctx, g_states, g_final):
-        states, *ld = ctx.saved_tensors
+        states, dec = ctx.saved_tensors
         g = torch.zeros_like(states) if g_states is None else g_states
-        gl = _rev_up_decay(ld, g)
         if g_final is None:
             x_end = g.new_zeros(*g.shape[:-3], 1, *g.shape[-2:])
         else:
             x_end = g_final[..., None, :, :]
-        lam = _rev_down_decay(ld, gl, x_end)  # L_{i+1}
-        ddec = (lam * states).sum_to_size(ctx.dec_shape)
-        ds0 = None
-        if ctx.has_s0 and ctx.needs_input_grad[2]:
-            ds0 = torch.addcmul(gl[-1], ld[-1], x_end)[..., 0, :, :]
-        return ddec, lam, ds0
+        lam, ds0 = _adjoint_sweeps(dec, g, x_end)  # L_{i+1}, L_0
+        ddec = (lam * states).sum_to_size(dec.shape)
+        return ddec, lam, (ds0 if ctx.has_s0 and ctx.needs_input_grad[2] else None)
 
 
 def decay_scan(

@@ -20,21 +20,8 @@ from fcp.context import PackedContext
 from fcp.ops.kda import kda
 from fcp.ops.kda.reference import kda_reference
 from tests import _kda_rank_fns as fns
-from tests._kda_rank_fns import NAMES, doc_ids_from_lengths, make_inputs, rel_err
-
-
-@st.composite
-def packing(draw, batch: int, total: int) -> torch.Tensor:
-    rows = []
-    for _ in range(batch):
-        pad = draw(st.one_of(st.just(0), st.integers(0, total)))
-        lens, left = [], total - pad
-        while left:
-            n = draw(st.one_of(st.integers(1, 3), st.integers(1, total), st.just(total)))
-            lens.append(min(n, left))
-            left -= lens[-1]
-        rows.append((lens, pad))
-    return doc_ids_from_lengths(rows)
+from tests._kda_rank_fns import NAMES, make_inputs, rel_err
+from tests.support.strategies import one_document, packing
 
 
 @st.composite
@@ -83,10 +70,7 @@ def test_single_process_equals_reference_fp64(prob):
 @given(problem(), st.data())
 def test_other_documents_bitwise_unchanged(rank_pool, prob, data):
     world, chunk, doc_ids, inputs = prob
-    row = data.draw(st.integers(0, doc_ids.shape[0] - 1))
-    victim = data.draw(st.sampled_from(sorted(set(doc_ids[row].tolist()))))
-    inside = torch.zeros_like(doc_ids, dtype=torch.bool)
-    inside[row] = doc_ids[row] == victim
+    inside = one_document(data, doc_ids)
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     perturbed = {}
     for n in NAMES:

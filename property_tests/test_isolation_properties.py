@@ -44,7 +44,7 @@ def case(draw):
     return op, world, doc_ids, (b, t), where, value, seed
 
 
-@settings(deadline=None, max_examples=70)
+@settings(deadline=None, max_examples=80)
 @given(case())
 def test_non_finite_values_stay_in_their_document(rank_pool, problem):
     op, world, doc_ids, (b, t), where, value, seed = problem

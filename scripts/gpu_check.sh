@@ -7,7 +7,8 @@
 #   1. every @pytest.mark.gpu test: tests/test_fla_gpu.py (the "fla" and "fla_varlen" KDA
 #      backends vs the pure-PyTorch operators, fwd + bwd, bf16 and fp32; the op's initial-state
 #      path; FLA-varlen conv; a reduce-overhead (CUDA graph) training step replaying new packings
-#      without recompiling) and the FlexAttention tests of tests/test_attention.py;
+#      without recompiling), tests/test_gla_gpu.py (the same for fcp.gla's "fla" backend on
+#      FLA's simple_gla kernels) and the FlexAttention tests of tests/test_attention.py;
 #   2. benchmarks/bench_fla_gpu.py: static mode vs FLA's varlen chunk_kda (and fcp-varlen, pure
 #      PyTorch) at 8k-64k tokens, fwd + bwd times and the static/varlen ratio (target <= 1.10);
 #   3. a summary: agreement lines of both steps, times, pass/fail.
@@ -60,7 +61,7 @@ fi
 echo
 echo "==================== gpu_check summary ($(elapsed)s) ===================="
 echo "-- agreement with fcp's pure-PyTorch operators (max|x-ref|/max|ref|), from the tests:"
-grep -h "\[fla-gpu\]" "$LOG_DIR/tests.log" || echo "   (no agreement lines: tests did not get that far)"
+grep -hE "\[(fla|gla)-gpu\]" "$LOG_DIR/tests.log" || echo "   (no agreement lines: tests did not get that far)"
 echo "-- tests:"
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$LOG_DIR/tests.log" || true
 grep -E "[0-9]+ (passed|failed)|error" "$LOG_DIR/tests.log" | tail -n 1 || true

@@ -32,21 +32,16 @@ def make_inputs(batch, seq, groups, heads, dk, dv, seed, dtype=torch.float32) ->
     return {n: x.to(dtype) for n, x in out.items()}
 
 
-def _ctx(env, doc_ids: torch.Tensor) -> PackedContext:
+def _rank_context(env, doc_ids: torch.Tensor) -> PackedContext:
     return PackedContext(doc_ids, group=env.group, cp_size=env.world_size, cp_rank=env.rank)
-
-
-def _local(env, x: torch.Tensor) -> torch.Tensor:
-    n = x.shape[1] // env.world_size
-    return x[:, env.rank * n : (env.rank + 1) * n]
 
 
 def gla_fwd_bwd(env, inputs: dict, doc_ids, grad_out, chunk_size: int, compiled=False,
                 static_fla=False):  # fmt: skip
     """Local output and local gradients of q, k, v, a for ``sum(out * grad_out)``;
     ``static_fla``: the ``"fla"`` backend's composition on the CPU doubles of its ops."""
-    ctx = _ctx(env, doc_ids)
-    xs = {n: _local(env, inputs[n]).clone().requires_grad_() for n in NAMES}
+    ctx = _rank_context(env, doc_ids)
+    xs = {n: ctx.shard(inputs[n]).clone().requires_grad_() for n in NAMES}
     if static_fla:
         def fn(*args, chunk_size):
             return gla_fla_static(*args, chunk_size=chunk_size)
@@ -56,14 +51,13 @@ def gla_fwd_bwd(env, inputs: dict, doc_ids, grad_out, chunk_size: int, compiled=
         torch._dynamo.reset()
         fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
     out = fn(*(xs[n] for n in NAMES), ctx, chunk_size=chunk_size)
-    (out.double() * _local(env, grad_out).double()).sum().backward()
+    (out.double() * ctx.shard(grad_out).double()).sum().backward()
     return out.detach(), {n: xs[n].grad for n in NAMES}
 
 
 def gla_leak(env, inputs: dict, perturbed: dict, doc_ids, chunk_size: int):
     """Local outputs for two input sets (no grad), to compare bitwise outside the changed doc."""
-    ctx = _ctx(env, doc_ids)
+    ctx = _rank_context(env, doc_ids)
     with torch.no_grad():
-        a = gla(*(_local(env, inputs[n]) for n in NAMES), ctx, chunk_size=chunk_size)
-        b = gla(*(_local(env, perturbed[n]) for n in NAMES), ctx, chunk_size=chunk_size)
-    return a, b
+        return tuple(gla(*(ctx.shard(xs[n]) for n in NAMES), ctx, chunk_size=chunk_size)
+                     for xs in (inputs, perturbed))  # fmt: skip

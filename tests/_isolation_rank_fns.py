@@ -13,12 +13,14 @@ from fcp.context import PackedContext
 from fcp.ops.compressed import compressed_attention
 from fcp.ops.doc_causal import doc_causal_attention
 from fcp.ops.conv import short_conv
+from fcp.ops.gla import gla
 from fcp.ops.kda import kda
 
 #: per operator: its token inputs (poisonable, differentiated) in call order
 TOKEN_INPUTS = {
     "kda": ("q", "k", "v", "g", "beta"),
     "gdn": ("q", "k", "v", "g", "beta"),  # kda with one gate per head (Gated DeltaNet)
+    "gla": ("q", "k", "v", "a"),  # gated linear attention, GQA (Mamba2's SSD)
     "short_conv": ("x",),
     "doc_causal": ("q", "k", "v"),
     "compressed": ("q", "k", "v"),
@@ -37,6 +39,8 @@ def make_inputs(op: str, batch: int, seq: int, seed: int) -> dict[str, torch.Ten
         return dict(q=r(2, 4), k=torch.nn.functional.normalize(r(2, 4), dim=-1), v=r(2, 4),
                     g=-torch.rand(batch, seq, *gate, generator=gen) * 2,
                     beta=torch.rand(batch, seq, 2, generator=gen))  # fmt: skip
+    if op == "gla":
+        return dict(q=r(1, 4), k=r(1, 4), v=r(2, 4), a=-torch.rand(batch, seq, 2, generator=gen) * 2)
     if op == "short_conv":
         return dict(x=r(6), weight=torch.randn(6, 4, generator=gen), bias=torch.randn(6, generator=gen))
     return dict(q=r(4, 8), k=r(2, 8), v=r(2, 8))
@@ -45,6 +49,8 @@ def make_inputs(op: str, batch: int, seq: int, seed: int) -> dict[str, torch.Ten
 def call(op: str, t: dict, ctx: PackedContext) -> torch.Tensor:
     if op in ("kda", "gdn"):
         return kda(t["q"], t["k"], t["v"], t["g"], t["beta"], ctx, chunk_size=4)
+    if op == "gla":
+        return gla(t["q"], t["k"], t["v"], t["a"], ctx, chunk_size=4)
     if op == "short_conv":
         return short_conv(t["x"], t["weight"], t["bias"], ctx, "silu")
     if op == "doc_causal":

@@ -84,9 +84,9 @@ def test_import_fcp_does_not_import_fla_and_ops_are_cuda_only():
     kernels for its ops (the CPU kernels used in this file are test doubles)."""
     code = (
         "import sys, fcp, fcp.ops.kda.fla as k, fcp.ops.conv.fla as c, fcp.ops.kit.fla\n"
-        "import fcp.models.glm5_next.cp, fcp.models.qwen3_8_flash_next.cp\n"
+        "import fcp.ops.gla.fla as g, fcp.models.glm5_next.cp, fcp.models.qwen3_8_flash_next.cp\n"
         "ops = [k.fla_kda_fwd, k.fla_kda_bwd, k.fla_kda_varlen_fwd, k.fla_kda_varlen_bwd,\n"
-        "       c.fla_conv_varlen_fwd, c.fla_conv_varlen_bwd]\n"
+        "       c.fla_conv_varlen_fwd, c.fla_conv_varlen_bwd, g.fla_gla_fwd, g.fla_gla_bwd]\n"
         "print('fla' in sys.modules, sorted({d for op in ops for d in op._backend_fns}))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

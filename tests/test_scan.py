@@ -28,7 +28,7 @@ def inputs(n, dec_shape, with_s0, seed):
     return dec, b, s0
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7, 8, 13])
 @pytest.mark.parametrize("dec_shape", [(1, 1), (4, 1)])
 @pytest.mark.parametrize("with_s0", [False, True])
 def test_equals_the_loop_forward_and_backward(n, dec_shape, with_s0):

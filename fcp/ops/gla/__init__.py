@@ -88,11 +88,11 @@ def gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
 
         dt = softplus(dt_raw + dt_bias).clamp(*time_step_limit)      # [B, L, H]
         A = -exp(A_log)                                                # [H]
-        y = gla(C, B, dt[..., None] * x, dt * A, ctx, scale=1.0)      # C, B [B, L, G, N]; x [B, L, H, P]
+        y = gla(C, B, dt[..., None] * x, dt * A, ctx, scale=1.0)      # C, B [B, L, G, N]
         y = y + D[:, None] * x                                         # the D skip
         # then the gated RMSNorm with z and out_proj, as the model does
 
-    (K = ``d_state`` N, V = ``head_dim`` P.)
+    (x ``[B, L, H, P]``; K = ``d_state`` N, V = ``head_dim`` P.)
 
     Example (K = V = 1, q = k = 1, scale 1, decay ``exp(a) = 0.5``: ``S <- S / 2 + v``; documents
     of lengths 3 and 2, then one pad token)::

@@ -15,14 +15,17 @@ head, with ``D(i, t] = sum_{i < s <= t} a_s`` (inside one document)::
 How it stays exact and static:
 
 * Runs (documents and the pad tail) are numbered by a cumulative sum of run starts over the
-  replicated global map; cross-run terms are removed with ``torch.where`` (exact zeros), before
-  any exponential (no ``inf`` is formed, and a masked entry's gradient is an exact zero).
+  replicated global map. Cross-run pairs inside a chunk are removed with ``torch.where`` (exact
+  zeros, also for a product that overflowed), before any exponential (no ``inf`` is formed, and
+  a masked entry's gradient is an exact zero); the state entering a chunk reaches only the
+  tokens of the run carried into it, through decays that are exact zeros for the others.
 * Every exponent is a *direct* sum of the ``a``'s it spans (:func:`segment_sums`: a masked
-  cumulative sum per pair, Mamba2's "stable segsum"), never a difference of long cumulative
-  sums: ``<= 0`` for ``a <= 0`` (no overflow at any decay) and no cancellation, also in the
-  gradient of ``a``.
-* ``q . k`` is formed once per group (GQA), not per head; the decays broadcast over the heads
-  of a group.
+  cumulative sum per pair, Mamba2's "stable segsum"; reversed cumulative sums to the chunk
+  end), never a difference of long cumulative sums: ``<= 0`` for ``a <= 0`` (no overflow at
+  any decay) and no cancellation, also in the gradient of ``a`` (:class:`_DecayedScores`'s
+  hand-written backward keeps direct sums).
+* ``q . k`` is formed once per group (GQA), not per head, and the state matmuls run one
+  ``[C, K] @ [K, R V]`` product per group and chunk for the group's ``R`` heads.
 * The chunk recurrence is diagonal (a scalar per chunk and head), composed by
   :func:`fcp.scan.decay_scan`: log depth, no Python loop over chunks, so a compiled graph does
   not grow with the sequence length.
@@ -77,6 +80,35 @@ def segment_sums(a: torch.Tensor) -> torch.Tensor:
     return torch.where(later, a[..., :, None], 0.0).cumsum(-2)
 
 
+class _DecayedScores(torch.autograd.Function):
+    """``(scores [.., 1, N, C, C], a [.., R, N, C], same [.., N, C, C]) -> attn [.., R, N, C, C]``,
+    ``attn[t, i] = scores[t, i] * exp(D(i, t])`` for same-run pairs ``i <= t``, exact 0 else.
+
+    Hand-written backward (half the passes over ``[C, C]`` tensors of autograd's): with ``dS =
+    dattn * attn`` (the gradient of each pair's exponent; exact zeros off the pairs),
+    ``da_s = sum_{t >= s} sum_{i < s} dS[t, i]``, a row-wise cumulative sum over ``i`` then a
+    masked column sum over ``t``: direct sums, no difference of cumulative sums.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, a, same):
+        decay = _masked_exp(same, segment_sums(a))
+        # `where` as well as the zero decay: a product overflowing elsewhere stays out exactly
+        attn = torch.where(same, scores * decay, 0.0)
+        ctx.save_for_backward(decay, attn)
+        return attn
+
+    @staticmethod
+    def backward(ctx, d_attn):
+        decay, attn = ctx.saved_tensors
+        d_scores = (d_attn * decay).sum(-4, keepdim=True)  # over the heads of a group
+        before = (d_attn * attn).cumsum(-1)[..., :, :-1]  # [t, s - 1] = sum_{i < s} dS[t, i]
+        c = attn.shape[-1]
+        later = torch.ones(c, c - 1, dtype=torch.bool, device=attn.device).tril(-1)  # t >= s
+        d_a = torch.where(later, before, 0.0).sum(-2)
+        return d_scores, torch.nn.functional.pad(d_a, (1, 0)), None
+
+
 def boundary_decays(a: torch.Tensor, seg: torch.Tensor, prev: torch.Tensor):
     """Decays from each chunk's start, for the tokens that see the state entering it.
 
@@ -102,6 +134,13 @@ def entry_products(dec: torch.Tensor):
     return prefix[..., 0, 0], total[..., 0, 0]
 
 
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for equal leading dims as one 3-D ``bmm`` (views where the layout allows:
+    ``torch.matmul``'s N-D path copies transposed operands, ~3x slower on CPU here)."""
+    out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    return out.view(*a.shape[:-2], a.shape[-2], b.shape[-1])
+
+
 def gla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                 context: PackedContext, scale: float, chunk_size: int = 64) -> torch.Tensor:
     """The ``"chunked"`` backend of :func:`fcp.ops.gla.gla` (same arguments, checked there;
@@ -114,42 +153,55 @@ def gla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     """
     bsz, length, groups, dk = q.shape
     heads, dv = v.shape[2], v.shape[3]
+    rep = heads // groups
     dt = compute_dtype(q, k, v, a)
     c = chunk_size
     n = -(-length // c)
-    n_pad = n * c - length
 
-    def chunked(x: torch.Tensor) -> torch.Tensor:
-        # [B, T, X, D] -> [B, X, N, C, D] in the compute dtype, zero-padded at the end
-        x = torch.nn.functional.pad(x.to(dt), (0, 0, 0, 0, 0, n_pad))
-        return x.reshape(bsz, n, c, *x.shape[2:]).permute(0, 3, 1, 2, 4)
+    def tokens(x: torch.Tensor) -> torch.Tensor:
+        # [B, T, X, D] -> [B, N, C, X, D] in the compute dtype, zero-padded at the end
+        if n * c > length:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, n * c - length))
+        return x.to(dt).reshape(bsz, n, c, *x.shape[2:])
 
-    # layout [B, G, R, N, C, D]: head h = g * R + r reads group g (q and k have R = 1)
-    qc, kc = (chunked(q) * scale)[:, :, None], chunked(k)[:, :, None]
-    vc = chunked(v).unflatten(1, (groups, heads // groups))
-    ac = chunked(a[..., None])[..., 0].unflatten(1, (groups, heads // groups))
+    # Head h = g * R + r reads group g. The in-chunk part is head-major ([B, G, R, N, C, .]);
+    # the state matmuls are group-major ([B, G, N, C, R * V]): one matmul per group and chunk
+    # serves the group's R heads, with no broadcast copy of q or k.
+    qc = (tokens(q) * scale).permute(0, 3, 1, 2, 4)  # [B, G, N, C, K]
+    kc = tokens(k).permute(0, 3, 1, 2, 4)
+    vt = tokens(v).unflatten(3, (groups, rep)).permute(0, 3, 1, 2, 4, 5)  # [B, G, N, C, R, V]
+    vc = vt.permute(0, 1, 4, 2, 3, 5)  # [B, G, R, N, C, V]
+    ac = tokens(a[..., None])[..., 0].unflatten(3, (groups, rep)).permute(0, 3, 4, 1, 2)
     seg, prev = chunk_runs(context, n, c)
     seg, prev = seg[:, None, None], prev[:, None, None]  # [B, 1, 1, N, C], [B, 1, 1, N]
 
     # in-chunk: decayed scores of same-run pairs i <= t
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     same = (seg[..., :, None] == seg[..., None, :]) & causal  # [B, 1, 1, N, C, C]
-    spans = segment_sums(ac)  # [B, G, R, N, C, C]
-    scores = qc @ kc.transpose(-1, -2)  # once per group
-    # `where` as well as the zero decay: a product overflowing elsewhere stays out exactly
-    out = torch.where(same, scores * _masked_exp(same, spans), 0.0) @ vc
+    scores = _bmm(qc, kc.transpose(-1, -2))[:, :, None]  # once per group: [B, G, 1, N, C, C]
+    attn = _DecayedScores.apply(scores, ac, same)  # [B, G, R, N, C, C]
+    intra = _bmm(attn, vc).permute(0, 1, 3, 4, 2, 5)  # [B, G, N, C, R, V]
 
     # chunk boundaries: what each chunk adds to the state, and what it passes on
-    decay_in, dec = boundary_decays(ac, seg, prev)
-    to_end = _masked_exp(seg == seg[..., -1:], spans[..., -1, :])  # last run: exp(D(i, end])
-    kv = kc.transpose(-1, -2) @ (vc * to_end[..., None])  # [B, G, R, N, K, V]
-    states, final = decay_scan(dec[..., None, None], kv)  # state entering each chunk
+    decay_in, dec = boundary_decays(ac, seg, prev)  # [B, G, R, N, C], [B, G, R, N]
+    # D(i, end] = sum_{s > i} a_s (a reversed cumulative sum, shifted: direct sums)
+    after = torch.nn.functional.pad(ac.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
+    to_end = _masked_exp(seg == seg[..., -1:], after)  # exp(D(i, end]) for the last run
+    v_end = (vt * to_end.permute(0, 1, 3, 4, 2)[..., None]).flatten(-2)  # [B, G, N, C, R V]
+    kv = _bmm(kc.transpose(-1, -2), v_end)  # [B, G, N, K, R V]
+    dec_cols = dec.permute(0, 1, 3, 2)[..., None, :, None].expand(-1, -1, -1, 1, -1, dv)
+    states, final = decay_scan(dec_cols.flatten(-2), kv)  # the state entering each chunk
     if context.cp_enabled:
-        prefix, total = entry_products(dec)
+        prefix, total = entry_products(dec)  # [B, G, R, N], [B, G, R]
         eye = torch.eye(dk, dtype=dt, device=q.device)
-        s_in = state_chain(total[..., None, None] * eye, final, context).to(dt)
-        states = states + prefix[..., None, None] * s_in[..., None, :, :]
-    carried = (seg == prev[..., None])[..., None]
-    out = out + torch.where(carried, decay_in[..., None] * (qc @ states), 0.0)
-    out = out.flatten(1, 2).permute(0, 2, 3, 1, 4).reshape(bsz, n * c, heads, dv)
+        s_final = final.unflatten(-1, (rep, dv)).transpose(2, 3)  # [B, G, R, K, V]
+        s_in = state_chain(total[..., None, None] * eye, s_final, context).to(dt)
+        reach = prefix.permute(0, 1, 3, 2)[:, :, :, None, :, None]  # [B, G, N, 1, R, 1]
+        states = states + (reach * s_in.transpose(2, 3)[:, :, None]).flatten(-2)  # [B, G, N, K, R V]
+    inter = _bmm(qc, states).unflatten(-1, (rep, dv))  # [B, G, N, C, R, V]
+    # decay_in is an exact 0 for tokens not carried into their chunk: the entering state (finite)
+    # adds exact zeros to them
+    decay_in = decay_in.permute(0, 1, 3, 4, 2)[..., None]  # [B, G, N, C, R, 1]
+    out = (decay_in * inter).add_(intra)  # [B, G, N, C, R, V]
+    out = out.permute(0, 2, 3, 1, 4, 5).reshape(bsz, n * c, heads, dv)
     return out[:, :length].to(v.dtype)

@@ -117,7 +117,8 @@ def fla_gla_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float,
 @fla_gla_fwd.register_fake
 def _(q, k, v, g, scale, chunk_size):
     b, _, h, dk = q.shape
-    return v.new_empty(v.shape, dtype=q.dtype), q.new_empty(b, h, dk, v.shape[-1], dtype=torch.float32)
+    final = q.new_empty(b, h, dk, v.shape[-1], dtype=torch.float32)
+    return v.new_empty(v.shape, dtype=q.dtype), final
 
 
 @torch.library.custom_op("fcp::fla_gla_bwd", mutates_args=(), device_types="cuda")

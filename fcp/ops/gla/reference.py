@@ -21,6 +21,7 @@ from fcp.context import PackedContext
 from fcp.layout import document_starts
 from fcp.ops.gla import check_gla_inputs
 from fcp.ops.kit.common import compute_dtype, default_scale
+from fcp.ops.kit.loops import reference_doc_ids
 
 __all__ = ["gla_reference", "gla_recurrence"]
 
@@ -61,7 +62,8 @@ def gla_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.T
 
 
 def gla_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
-                  context: PackedContext | torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                  context: PackedContext | torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
     """Single-process :func:`fcp.ops.gla.gla` by the per-token recurrence, state reset at every
     document start (and at the pad tail).
 
@@ -69,12 +71,7 @@ def gla_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Te
     :class:`~fcp.context.PackedContext` or directly the int64 doc-id map ``[batch, seq]``.
     Computes in fp32 (fp64 for fp64 inputs); returns ``v``'s dtype.
     """
-    if isinstance(context, PackedContext):
-        if context.cp_enabled:
-            raise ValueError("gla_reference is single-process: pass a context with cp_size=1")
-        doc_ids = context.doc_ids
-    else:
-        doc_ids = context
+    doc_ids = reference_doc_ids(context, "gla_reference")
     check_gla_inputs(q, k, v, a, doc_ids.shape[1], doc_ids.shape[0])
     scale = default_scale(q.shape[3], scale)
     o, _ = gla_recurrence(q, k, v, a, scale, starts=document_starts(doc_ids))

@@ -23,6 +23,7 @@ from fcp.context import PackedContext
 from fcp.layout import document_starts
 from fcp.ops.kda import check_kda_inputs
 from fcp.ops.kit.common import compute_dtype, default_scale
+from fcp.ops.kit.loops import reference_doc_ids
 
 __all__ = ["kda_reference", "kda_recurrence"]
 
@@ -78,12 +79,7 @@ def kda_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     :class:`~fcp.context.PackedContext` or directly the int64 doc-id map ``[batch, seq]``.
     Computes in fp32 (fp64 for fp64 inputs); returns ``v``'s dtype.
     """
-    if isinstance(context, PackedContext):
-        if context.cp_enabled:
-            raise ValueError("kda_reference is single-process: pass a context with cp_size=1")
-        doc_ids = context.doc_ids
-    else:
-        doc_ids = context
+    doc_ids = reference_doc_ids(context, "kda_reference")
     check_kda_inputs(q, k, v, g, beta, doc_ids.shape[1], doc_ids.shape[0])
     scale = default_scale(q.shape[3], scale)
     o, _ = kda_recurrence(q, k, v, g, beta, scale, starts=document_starts(doc_ids))

@@ -1,7 +1,8 @@
-"""Per-query float64 helpers of the references (specifications and test oracles).
+"""Helpers of the references (specifications and test oracles; tests only).
 
-Every reference computes one query at a time from its operator's definition, with Python loops
-over keys: slow and obviously correct, for tests only.
+The attention references compute one query at a time from their operator's definition, with
+Python loops over keys (float64): slow and obviously correct. :func:`reference_doc_ids` is how
+the recurrent references (``kda``, ``gla``) take their context.
 
 >>> [(b, t, start) for b, t, doc, start in real_queries(torch.tensor([[1, 1, 2, 0]]))]
 [(0, 0, 0), (0, 1, 0), (0, 2, 2)]
@@ -11,9 +12,21 @@ from __future__ import annotations
 
 import torch
 
+from fcp.context import PackedContext
 from fcp.layout import PAD_DOC_ID
 
-__all__ = ["prepare", "softmax_row", "attend_keys", "empty_row", "per_query", "real_queries"]
+__all__ = ["prepare", "softmax_row", "attend_keys", "empty_row", "per_query", "real_queries",
+           "reference_doc_ids"]  # fmt: skip
+
+
+def reference_doc_ids(context: PackedContext | torch.Tensor, fn: str) -> torch.Tensor:
+    """The int64 doc-id map ``[batch, seq]`` of a single-process reference call: ``context`` is a
+    :class:`~fcp.context.PackedContext` without CP, or the map itself."""
+    if not isinstance(context, PackedContext):
+        return context
+    if context.cp_enabled:
+        raise ValueError(f"{fn} is single-process: pass a context with cp_size=1")
+    return context.doc_ids
 
 
 def real_queries(doc_ids: torch.Tensor):
