@@ -16,9 +16,10 @@ from fcp.context import PackedContext
 from fcp.ops.kit.pools import pool_slots
 from fcp.ops.kpool_indexer import kpool_indexer
 from fcp.ops.kpool_indexer.reference import kpool_indexer_reference
-from tests import _index_rank_fns as fns
-from tests._index_rank_fns import one_thread  # noqa: F401 (autouse fixture)
-from tests.test_index_attention import packing, random_packings
+from tests import _attention_rank_fns as fns
+from tests._attention_rank_fns import one_thread  # noqa: F401 (autouse fixture)
+from tests.support.inputs import index_inputs
+from tests.support.packing import packing, random_packings
 
 INDEX = ("index_q", "index_k", "gate_logits", "ape", "head_weights")
 
@@ -54,7 +55,7 @@ PACKINGS = {
 def test_matches_reference(pack, kw):
     seq, *rows = PACKINGS[pack]
     doc_ids = packing(seq, *rows)
-    inputs = fns.make_inputs(3, len(rows), seq, index_heads=3, kpool=kw["kpool"])
+    inputs = index_inputs(3, len(rows), seq, index_heads=3, kpool=kw["kpool"])
     got = kpool_indexer(*_args(inputs), PackedContext(doc_ids), **kw)
     want, near, exact = kpool_indexer_reference(*_args(inputs), doc_ids, **kw)
     assert got.shape == want.shape and got.dtype == torch.int64
@@ -67,7 +68,7 @@ def test_ties_go_to_the_earlier_pool():
     """Zero index keys: every score is exactly 0, so the earliest visible pools win (in
     ascending order), and the tail follows."""
     doc_ids = packing(20, [3, 17])
-    inputs = fns.make_inputs(0, 1, 20, kpool=2)
+    inputs = index_inputs(0, 1, 20, kpool=2)
     inputs["index_k"].zero_()
     got = kpool_indexer(*_args(inputs), PackedContext(doc_ids), topk=4, kpool=2)
     # doc 1 (3 tokens) has one complete pool: the tail follows one pool slot (transformers)
@@ -82,7 +83,7 @@ def test_ties_go_to_the_earlier_pool():
 
 def test_no_gradient_and_pad_rows():
     doc_ids = packing(12, [4, 5])
-    inputs = fns.make_inputs(1, 1, 12)
+    inputs = index_inputs(1, 1, 12)
     for n in INDEX:
         inputs[n].requires_grad_()
     got = kpool_indexer(*_args(inputs), PackedContext(doc_ids), topk=4, kpool=4)
@@ -93,7 +94,7 @@ def test_no_gradient_and_pad_rows():
 @pytest.mark.parametrize("bad", ["topk_multiple", "kpool", "index_k", "ape", "weights", "dtype"])
 def test_bad_arguments(bad):
     doc_ids = packing(8, [8])
-    t = fns.make_inputs(0, 1, 8)
+    t = index_inputs(0, 1, 8)
     args = _args(t)
     kw = dict(topk=8, kpool=4)
     if bad == "topk_multiple":
@@ -185,38 +186,25 @@ def test_cp_equals_single_process_bitwise(rank_pool, world_size, local):
     """Pools straddling rank boundaries, a local length shorter than a pool (3 < kpool = 4)."""
     seq = world_size * local
     doc_ids = packing(seq, [2, seq - 5], [seq])
-    inputs = fns.make_inputs(9, 2, seq)
+    inputs = index_inputs(9, 2, seq)
     kw = dict(topk=8, kpool=4)
-    want = fns.single_process("kpool", inputs, doc_ids, kw, None)["out"]
-    res = rank_pool.run(fns.cp_rank, world_size, "kpool", inputs, doc_ids, kw, None)
-    assert torch.equal(torch.cat([r["out"] for r in res], 1), want)
+    fns.check_cp(rank_pool, "kpool", world_size, inputs, doc_ids, kw, None, tol=None)  # bitwise
 
 
 def test_cp_moves_pooled_keys_and_a_halo_only(rank_pool):
     """Per rank: ``ceil(local / kpool)`` pooled keys from every other rank (all-gather) and the
     ``kpool - 1`` tokens of ``(index_k, gate_logits)`` before its interval (halo): fp32 here."""
-    batch, local, di, kpool = 2, 10, 8, 4
-    doc_ids = packing(3 * local, [7, 23], [30])
-    inputs = fns.make_inputs(1, batch, 3 * local, index_dim=di)
-    got = rank_pool.run(fns.cp_bytes_rank, 3, "kpool", inputs, doc_ids, dict(topk=8, kpool=kpool))
-    pooled = 2 * batch * 3 * di * 4  # 2 other ranks x ceil(10 / 4) = 3 slots
-    halo = (kpool - 1) * batch * 2 * di * 4
-    assert got == [pooled, pooled + halo, pooled + halo]
+    fns.check_indexer_bytes(rank_pool, "kpool", dict(topk=8, kpool=4), halo_channels=2 * 8)
 
 
 def test_compile_no_recompile():
-    inputs = fns.make_inputs(2, 2, 16)
-    frames, forbidden, worst, graphs = fns.compile_packings(
-        "kpool", inputs, random_packings(6, 2, 16, seed=3), dict(topk=4, kpool=4), None,
-        PackedContext,
-    )  # fmt: skip
-    assert frames == 1 and graphs >= 1 and forbidden == [] and worst == 0.0, (frames, forbidden)
+    fns.check_compiles_once("kpool", dict(topk=4, kpool=4), random_packings(6, 2, 16, seed=3))
 
 
 @pytest.mark.gpu
 def test_cuda_matches_cpu():
     doc_ids = packing(256, [1, 60, 3, 100, 17, 50])
-    inputs = fns.make_inputs(0, 1, 256, index_heads=4, index_dim=32)
+    inputs = index_inputs(0, 1, 256, index_heads=4, index_dim=32)
     kw = dict(topk=32, kpool=4)
     want = kpool_indexer(*_args(inputs), PackedContext(doc_ids), **kw)
     cuda = [t.cuda() for t in _args(inputs)]
