@@ -21,10 +21,6 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 from fcp.ops.index_attention.reference import index_attention_reference
-from fcp.ops.kpool_indexer.reference import kpool_indexer_reference
-from fcp.ops.kit.norms import rope_tables
-from fcp.ops.qsa_indexer.reference import qsa_indexer_reference
-from fcp.context import PackedContext
 from tests import _attention_rank_fns as fns
 from tests._attention_rank_fns import one_thread  # noqa: F401 (autouse fixture)
 from tests.support.inputs import QKV, index_inputs
@@ -33,7 +29,6 @@ from tests.support.packing import cut_rows
 HEADS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]
 FP32 = dict(atol=1e-5, rtol=1e-5)
 BF16 = dict(atol=3e-2, rtol=3e-2)
-KPOOL = ("index_q", "index_k", "gate_logits", "ape", "head_weights")
 
 
 def op_kwargs(draw, name: str) -> dict:
@@ -98,13 +93,7 @@ def test_single_process_equals_reference(case):
             want = torch.zeros_like(t[n]) if t[n].grad is None else t[n].grad  # nothing read
             torch.testing.assert_close(got[n].double(), want, **FP32, msg=n)
         return
-    if name == "kpool":
-        want, near, _ = kpool_indexer_reference(*[inputs[n] for n in KPOOL], doc_ids, **kw)
-    else:
-        cos, sin = rope_tables(PackedContext(doc_ids).position_ids, fns.ROTARY)
-        want, near, _ = qsa_indexer_reference(inputs["index_q"], inputs["index_k"],
-                                              inputs["q_norm"], inputs["k_norm"], cos, sin,
-                                              doc_ids, **kw)  # fmt: skip
+    want, near, _ = fns.reference_ids(name, inputs, doc_ids, kw)
     differs = (got["out"] != want).any(-1)
     assume(not (differs & near).any())  # an order decided by float rounding of a near tie
     assert torch.equal(got["out"], want)

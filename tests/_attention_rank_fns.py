@@ -28,16 +28,19 @@ from fcp.ops.doc_causal import doc_causal_attention
 from fcp.ops.index_attention import index_attention
 from fcp.ops.kit.norms import rope_tables
 from fcp.ops.kpool_indexer import kpool_indexer
+from fcp.ops.kpool_indexer.reference import kpool_indexer_reference
 from fcp.ops.qsa_indexer import qsa_indexer
+from fcp.ops.qsa_indexer.reference import qsa_indexer_reference
 from tests.support import cp_jobs
-from tests.support.inputs import QKV, index_inputs
-from tests.support.packing import packing
+from tests.support.inputs import QKV
 
 SOFTMAX_OPS = ("doc_causal", "compressed")
 INDEX_OPS = ("attn", "attn_global", "glm", "qsa_attn")
 INDEXER_OPS = ("kpool", "qsa")
 #: index_inputs' tensors that are not per token (never sliced by rank)
 PARAMS = ("ape", "q_norm", "k_norm")
+#: the k-pool indexer's tensor arguments, in call order
+KPOOL_INPUTS = ("index_q", "index_k", "gate_logits", "ape", "head_weights")
 ROTARY = 4  # QSA RoPE width (of index_dim)
 
 
@@ -69,8 +72,7 @@ def call_op(name: str, t: dict, ctx: PackedContext, kw: dict) -> torch.Tensor:
         k, v = all_gather_sequence(t["k"], ctx), all_gather_sequence(t["v"], ctx)
         return index_attention(t["q"], k, v, t["indices"], ctx, kv="global", **attn_kw)
     if name in ("kpool", "glm"):
-        idx = kpool_indexer(t["index_q"], t["index_k"], t["gate_logits"], t["ape"],
-                            t["head_weights"], ctx, topk=kw.get("topk", 8),
+        idx = kpool_indexer(*(t[n] for n in KPOOL_INPUTS), ctx, topk=kw.get("topk", 8),
                             kpool=kw.get("kpool", 4), select_tail=kw.get("select_tail", True))
         if name == "kpool":
             return idx
@@ -172,23 +174,20 @@ def check_cp(rank_pool, name, world, inputs, doc_ids, kw, grad_out, tol) -> list
     return res
 
 
-def check_indexer_bytes(rank_pool, name, kw, halo_channels: int) -> None:
-    """An indexer on 3 ranks x 10 tokens (2 rows, ``index_dim`` 8, fp32) receives, per rank,
-    ``ceil(10 / stride)`` reduced keys (pools / compressed blocks) from each of the 2 other ranks
-    and ``stride - 1`` halo tokens of ``halo_channels`` channels (not rank 0)."""
-    batch, local, di, stride = 2, 10, 8, kw.get("kpool", kw.get("ratio"))
-    doc_ids = packing(3 * local, [7, 23], [30])
-    inputs = index_inputs(1, batch, 3 * local, index_dim=di)
-    got = rank_pool.run(cp_bytes_rank, 3, name, inputs, doc_ids, kw)
-    keys = 2 * batch * -(-local // stride) * di * 4
-    halo = (stride - 1) * batch * halo_channels * 4
-    assert got == [keys, keys + halo, keys + halo], (name, got)
+def reference_ids(name: str, inputs: dict, doc_ids: torch.Tensor, kw: dict):
+    """``(ids, near, exact)`` of indexer ``name``'s float64 reference on the global inputs."""
+    if name == "kpool":
+        return kpool_indexer_reference(*(inputs[n] for n in KPOOL_INPUTS), doc_ids, **kw)
+    pos = PackedContext(doc_ids).position_ids
+    cos, sin = rope_tables(pos, ROTARY, dtype=inputs["index_q"].dtype)
+    return qsa_indexer_reference(inputs["index_q"], inputs["index_k"], inputs["q_norm"],
+                                 inputs["k_norm"], cos, sin, doc_ids, **kw)  # fmt: skip
 
 
-def check_compiles_once(name, kw, doc_ids_list) -> None:
-    """The operator compiled once (fullgraph) gives the eager ids over every packing, no host
-    sync in its graphs."""
-    frames, forbidden, worst, graphs = compile_packings(
-        name, index_inputs(2, 2, 16), doc_ids_list, kw, None, PackedContext
-    )
-    assert frames == 1 and graphs >= 1 and forbidden == [] and worst == 0.0, (frames, forbidden)
+def check_indexer_rows(got: torch.Tensor, want: torch.Tensor, near: torch.Tensor) -> None:
+    """An indexer's ids ``got`` equal its reference's ``want`` row for row (the layout too),
+    except rows whose order a near tie in float rounding decides (``near``; under 5% of them)."""
+    assert got.shape == want.shape and got.dtype == torch.int64, (got.shape, want.shape, got.dtype)
+    differs = (got != want).any(-1)
+    assert not (differs & ~near).any(), (differs & ~near).nonzero().tolist()
+    assert near.float().mean() < 0.05, "too many near-tie rows for a meaningful test"

@@ -19,7 +19,7 @@ from fcp.ops.doc_causal.reference import doc_causal_attention_reference as ref_d
 from tests import _attention_rank_fns as fns
 from tests._attention_rank_fns import SOFTMAX_OPS as OPS
 from tests.support.inputs import QKV, attention_inputs
-from tests.support.packing import packing, random_packings
+from tests.support.packing import EDGE_PACKINGS, packing, random_packings
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
@@ -51,14 +51,7 @@ def ref_grad(x: torch.Tensor) -> torch.Tensor:
 
 
 # ============================================================================ reference equality
-PACKINGS = {
-    "one_doc": (16, [16]),
-    "pad_tail": (16, [5, 3, 6]),
-    "tiny_docs": (16, [1, 2, 1, 3, 1, 5, 1]),
-    "two_rows": (12, [7, 4], [2, 2, 2, 2, 2, 2]),
-    "all_pad_row": (8, [8], [0]),
-    "straddling_blocks": (24, [2, 11, 1, 9]),
-}
+PACKINGS = {**EDGE_PACKINGS, "straddling_blocks": (24, [2, 11, 1, 9])}
 CASES = [
     ("doc_causal", {}),
     ("doc_causal", {"scale": 0.3}),
@@ -72,9 +65,8 @@ CASES = [
 @pytest.mark.parametrize("name,kwargs", CASES, ids=lambda x: str(x) if isinstance(x, dict) else x)
 @pytest.mark.parametrize("pack", list(PACKINGS))
 def test_matches_reference(name, kwargs, pack):
-    seq, *rows = PACKINGS[pack]
-    doc_ids = packing(seq, *rows)
-    inputs = attention_inputs(0, len(rows), seq, heads=4, kv_heads=2, dim=4)
+    doc_ids = packing(*PACKINGS[pack])
+    inputs = attention_inputs(0, *doc_ids.shape, heads=4, kv_heads=2, dim=4)
     check_against_reference(name, inputs, doc_ids, kwargs)
 
 
@@ -280,9 +272,8 @@ FLEX_WARNINGS = pytest.mark.filterwarnings("ignore::UserWarning")
 def test_flex_masks_equal_dense_masks_cpu(name, kwargs):
     """The Flex mask_mod and the dense masks agree (Flex forward runs on CPU without grad)."""
     for i, pack in enumerate(["straddling_blocks", "two_rows"]):
-        seq, *rows = PACKINGS[pack]
-        doc_ids = packing(seq, *rows)
-        inputs = attention_inputs(i, len(rows), seq, heads=4, kv_heads=2)
+        doc_ids = packing(*PACKINGS[pack])
+        inputs = attention_inputs(i, *doc_ids.shape, heads=4, kv_heads=2)
         want = _call(name, inputs, doc_ids, {**kwargs, "backend": "dense"})
         got = _call(name, inputs, doc_ids, {**kwargs, "backend": "flex"})
         torch.testing.assert_close(got, want, **FP32)

@@ -18,7 +18,7 @@ from fcp.ops.index_attention.reference import index_attention_reference
 from tests import _attention_rank_fns as fns
 from tests._attention_rank_fns import one_thread  # noqa: F401 (autouse fixture)
 from tests.support.inputs import QKV, index_inputs
-from tests.support.packing import packing, random_packings
+from tests.support.packing import EDGE_PACKINGS, packing, random_packings
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 BF16 = dict(atol=2e-2, rtol=2e-2)
@@ -31,13 +31,6 @@ def run_reference(inputs, doc_ids, grad_out, scale=None):
     return {"out": out.detach(), **{n: t[n].grad for n in QKV}}
 
 
-PACKINGS = {
-    "one_doc": (16, [16]),
-    "pad_tail": (16, [5, 3, 6]),
-    "tiny_docs": (16, [1, 2, 1, 3, 1, 5, 1]),
-    "two_rows": (12, [7, 4], [2, 2, 2, 2, 2, 2]),
-    "all_pad_row": (8, [8], [0]),
-}
 LAYOUTS = {
     "gqa": dict(heads=4, kv_heads=2, dim=8, dv=8),
     "mla": dict(heads=2, kv_heads=2, dim=8, dv=6),  # per-head keys and values, Dv != D
@@ -46,11 +39,10 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("pack", list(PACKINGS))
+@pytest.mark.parametrize("pack", list(EDGE_PACKINGS))
 def test_matches_reference(pack, layout):
-    seq, *rows = PACKINGS[pack]
-    doc_ids = packing(seq, *rows)
-    inputs = index_inputs(1, len(rows), seq, width=7, **LAYOUTS[layout])
+    doc_ids = packing(*EDGE_PACKINGS[pack])
+    inputs = index_inputs(1, *doc_ids.shape, width=7, **LAYOUTS[layout])
     grad_out = torch.randn(*inputs["q"].shape[:3], inputs["v"].shape[3])
     want = run_reference(inputs, doc_ids, grad_out, scale=0.4)
     for name in ("attn", "attn_global"):

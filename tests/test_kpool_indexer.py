@@ -1,10 +1,9 @@
 """Unit tests for fcp.ops.kpool_indexer (GLM-5.3-Flash's DSA k-pool indexer).
 
-The operator against its float64 per-query reference (exact row layout; rows whose order
-depends on a near tie in float rounding are counted and exempt), against transformers'
-``Glm5NextTextIndexer`` run on each document alone (tie rows counted and exempt), the tie rule,
-the doc_pools slot table, no gradient, argument errors, CP (pools straddling ranks, local
-lengths shorter than a pool) and torch.compile. Properties: property_tests/test_index_properties.py.
+The operator against transformers' ``Glm5NextTextIndexer`` run on each document alone (tie
+rows counted and exempt), the tie rule, the doc_pools slot table, no gradient, argument errors.
+Against its float64 reference, under CP and compiled: tests/test_indexers.py (both indexers).
+Properties: property_tests/test_index_properties.py.
 """
 
 from __future__ import annotations
@@ -19,49 +18,16 @@ from fcp.ops.kpool_indexer.reference import kpool_indexer_reference
 from tests import _attention_rank_fns as fns
 from tests._attention_rank_fns import one_thread  # noqa: F401 (autouse fixture)
 from tests.support.inputs import index_inputs
-from tests.support.packing import packing, random_packings
-
-INDEX = ("index_q", "index_k", "gate_logits", "ape", "head_weights")
-
+from tests.support.packing import packing
 
 def _args(inputs):
-    return [inputs[n] for n in INDEX]
+    return [inputs[n] for n in fns.KPOOL_INPUTS]
 
 
 def test_pool_slots_worked_example():
     doc_ids = torch.tensor([[1] * 6 + [2] * 9 + [0]])
     assert pool_slots(doc_ids, 4, 2).tolist() == [[3, -1, 9, 13]]
     assert pool_slots(doc_ids, 4, 1).tolist() == [[3, 9, 13, -1]]
-
-
-CASES = [
-    dict(topk=8, kpool=4),
-    dict(topk=4, kpool=4),
-    dict(topk=8, kpool=4, select_tail=False),
-    dict(topk=6, kpool=2),
-    dict(topk=3, kpool=1),
-    dict(topk=9, kpool=3),
-]
-PACKINGS = {
-    "one_doc": (40, [40]),
-    "pad_tail": (40, [13, 3, 19]),
-    "tiny_docs": (24, [1, 2, 1, 3, 1, 5, 4, 6]),
-    "two_rows": (32, [17, 15], [2, 9, 21]),
-}
-
-
-@pytest.mark.parametrize("kw", CASES, ids=str)
-@pytest.mark.parametrize("pack", list(PACKINGS))
-def test_matches_reference(pack, kw):
-    seq, *rows = PACKINGS[pack]
-    doc_ids = packing(seq, *rows)
-    inputs = index_inputs(3, len(rows), seq, index_heads=3, kpool=kw["kpool"])
-    got = kpool_indexer(*_args(inputs), PackedContext(doc_ids), **kw)
-    want, near, exact = kpool_indexer_reference(*_args(inputs), doc_ids, **kw)
-    assert got.shape == want.shape and got.dtype == torch.int64
-    differs = (got != want).any(-1)
-    assert not (differs & ~near).any(), (differs & ~near).nonzero().tolist()
-    assert near.float().mean() < 0.05, "too many near-tie rows for a meaningful test"
 
 
 def test_ties_go_to_the_earlier_pool():
@@ -84,7 +50,7 @@ def test_ties_go_to_the_earlier_pool():
 def test_no_gradient_and_pad_rows():
     doc_ids = packing(12, [4, 5])
     inputs = index_inputs(1, 1, 12)
-    for n in INDEX:
+    for n in fns.KPOOL_INPUTS:
         inputs[n].requires_grad_()
     got = kpool_indexer(*_args(inputs), PackedContext(doc_ids), topk=4, kpool=4)
     assert not got.requires_grad and got.dtype == torch.int64
@@ -181,26 +147,6 @@ def test_matches_transformers_per_document(hf_indexer):
 
 
 # ============================================================================ CP
-@pytest.mark.parametrize("world_size,local", [(2, 10), (4, 3), (4, 8)])
-def test_cp_equals_single_process_bitwise(rank_pool, world_size, local):
-    """Pools straddling rank boundaries, a local length shorter than a pool (3 < kpool = 4)."""
-    seq = world_size * local
-    doc_ids = packing(seq, [2, seq - 5], [seq])
-    inputs = index_inputs(9, 2, seq)
-    kw = dict(topk=8, kpool=4)
-    fns.check_cp(rank_pool, "kpool", world_size, inputs, doc_ids, kw, None, tol=None)  # bitwise
-
-
-def test_cp_moves_pooled_keys_and_a_halo_only(rank_pool):
-    """Per rank: ``ceil(local / kpool)`` pooled keys from every other rank (all-gather) and the
-    ``kpool - 1`` tokens of ``(index_k, gate_logits)`` before its interval (halo): fp32 here."""
-    fns.check_indexer_bytes(rank_pool, "kpool", dict(topk=8, kpool=4), halo_channels=2 * 8)
-
-
-def test_compile_no_recompile():
-    fns.check_compiles_once("kpool", dict(topk=4, kpool=4), random_packings(6, 2, 16, seed=3))
-
-
 @pytest.mark.gpu
 def test_cuda_matches_cpu():
     doc_ids = packing(256, [1, 60, 3, 100, 17, 50])

@@ -1,11 +1,11 @@
 """Unit tests for fcp.ops.qsa_indexer (Qwen3.8-Flash-Next's QSA selection) and QSA's attention.
 
-The selection against its float64 per-query reference (exact layout; near-tie rows exempt and
-counted), against NeMo AutoModel's own indexer module (``Qwen3_8_FlashNextQSAIndexer``, packed
+The selection against NeMo AutoModel's own indexer module (``Qwen3_8_FlashNextQSAIndexer``, packed
 per-document path: ``select_qsa_token_ids`` per document) in fp32 and bf16 with tie rows
 counted and exempt, index attention against NeMo's ``gathered_qsa_gqa_attention`` per document
 (forward and q/k/v gradients, GQA), the per-token pieces (RMSNorm, RoPE) bitwise against
-NeMo's, the dense phase and the tie rule, CP (blocks straddling ranks) and torch.compile.
+NeMo's, the dense phase and the tie rule. Against its float64 reference, under CP (blocks
+straddling ranks) and compiled: tests/test_indexers.py (both indexers).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fcp.ops.qsa_indexer.reference import qsa_indexer_reference
 from tests import _attention_rank_fns as fns
 from tests._attention_rank_fns import one_thread  # noqa: F401 (autouse fixture)
 from tests.support.inputs import QKV, index_inputs
-from tests.support.packing import packing, random_packings
+from tests.support.packing import packing
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
@@ -32,31 +32,6 @@ def _args(inputs, doc_ids, rotary=fns.ROTARY):
     positions = PackedContext(doc_ids).position_ids
     cos, sin = rope_tables(positions, rotary, dtype=inputs["index_q"].dtype)
     return [inputs["index_q"], inputs["index_k"], inputs["q_norm"], inputs["k_norm"], cos, sin]
-
-
-CASES = [dict(budget=8, ratio=4), dict(budget=4, ratio=2), dict(budget=12, ratio=3),
-         dict(budget=3, ratio=1)]  # fmt: skip
-PACKINGS = {
-    "one_doc": (48, [48]),
-    "pad_tail": (48, [21, 3, 19]),
-    "tiny_docs": (24, [1, 2, 1, 3, 1, 5, 4, 6]),
-    "two_rows": (40, [27, 13], [2, 9, 29]),
-}
-
-
-@pytest.mark.parametrize("kw", CASES, ids=str)
-@pytest.mark.parametrize("pack", list(PACKINGS))
-def test_matches_reference(pack, kw):
-    seq, *rows = PACKINGS[pack]
-    doc_ids = packing(seq, *rows)
-    inputs = index_inputs(4, len(rows), seq, index_heads=3)
-    args = _args(inputs, doc_ids)
-    got = qsa_indexer(*args, PackedContext(doc_ids), **kw)
-    want, near, exact = qsa_indexer_reference(*args, doc_ids, **kw)
-    assert got.shape == want.shape == (len(rows), seq, kw["budget"] + kw["ratio"] - 1)
-    differs = (got != want).any(-1)
-    assert not (differs & ~near).any(), (differs & ~near).nonzero().tolist()
-    assert near.float().mean() < 0.05
 
 
 def test_dense_phase_is_causal_and_ties_go_to_the_earlier_block():
@@ -186,25 +161,6 @@ def test_attention_matches_nemo_per_document(nemo_qsa):
 
 
 # ============================================================================ CP, compile, CUDA
-@pytest.mark.parametrize("world_size,local", [(2, 14), (4, 3), (4, 8)])
-def test_cp_equals_single_process_bitwise(rank_pool, world_size, local):
-    seq = world_size * local
-    doc_ids = packing(seq, [3, seq - 6], [seq])
-    inputs = index_inputs(10, 2, seq)
-    kw = dict(budget=8, ratio=4)
-    fns.check_cp(rank_pool, "qsa", world_size, inputs, doc_ids, kw, None, tol=None)  # bitwise
-
-
-def test_cp_moves_compressed_keys_and_a_halo_only(rank_pool):
-    """Per rank: ``ceil(local / ratio)`` compressed keys from every other rank and the
-    ``ratio - 1`` tokens of ``(index_k, cos, sin)`` before its interval: fp32 here."""
-    fns.check_indexer_bytes(rank_pool, "qsa", dict(budget=8, ratio=4), halo_channels=8 + fns.ROTARY)
-
-
-def test_compile_no_recompile():
-    fns.check_compiles_once("qsa", dict(budget=4, ratio=2), random_packings(6, 2, 16, seed=4))
-
-
 @pytest.mark.gpu
 def test_cuda_matches_cpu():
     doc_ids = packing(256, [1, 60, 3, 100, 17, 50])

@@ -56,6 +56,16 @@ def packing(seq: int, *rows: list[int]) -> torch.Tensor:
     return torch.tensor([ref_doc_ids_row(r, seq) for r in rows], dtype=torch.long)
 
 
+#: small edge layouts ``(seq, *rows of document lengths)``: :func:`packing` takes them as they are
+EDGE_PACKINGS = {
+    "one_doc": (16, [16]),
+    "pad_tail": (16, [5, 3, 6]),
+    "tiny_docs": (16, [1, 2, 1, 3, 1, 5, 1]),
+    "two_rows": (12, [7, 4], [2, 2, 2, 2, 2, 2]),
+    "all_pad_row": (8, [8], [0]),
+}
+
+
 def doc_ids_from_lengths(rows: list[tuple[list[int], int]]) -> torch.Tensor:
     """int64 ``[batch, seq]`` from per-row ``(document lengths, pad length)``."""
     return torch.tensor([ref_doc_ids_row(lens, sum(lens) + pad) for lens, pad in rows],
