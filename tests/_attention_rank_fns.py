@@ -156,7 +156,7 @@ def cp_compile_rank(env, name, inputs, doc_ids_list, kw, grad_out):
 
 
 # ---------------------------------------------------------------------------------------------
-# the comparison every CP test makes (test process)
+# test process: the comparison every CP test makes, the indexers' references
 # ---------------------------------------------------------------------------------------------
 def check_cp(rank_pool, name, world, inputs, doc_ids, kw, grad_out, tol) -> list:
     """CP on ``world`` ranks equals one process: outputs and q/k/v gradients within ``tol``
@@ -182,12 +182,3 @@ def reference_ids(name: str, inputs: dict, doc_ids: torch.Tensor, kw: dict):
     cos, sin = rope_tables(pos, ROTARY, dtype=inputs["index_q"].dtype)
     return qsa_indexer_reference(inputs["index_q"], inputs["index_k"], inputs["q_norm"],
                                  inputs["k_norm"], cos, sin, doc_ids, **kw)  # fmt: skip
-
-
-def check_indexer_rows(got: torch.Tensor, want: torch.Tensor, near: torch.Tensor) -> None:
-    """An indexer's ids ``got`` equal its reference's ``want`` row for row (the layout too),
-    except rows whose order a near tie in float rounding decides (``near``; under 5% of them)."""
-    assert got.shape == want.shape and got.dtype == torch.int64, (got.shape, want.shape, got.dtype)
-    differs = (got != want).any(-1)
-    assert not (differs & ~near).any(), (differs & ~near).nonzero().tolist()
-    assert near.float().mean() < 0.05, "too many near-tie rows for a meaningful test"

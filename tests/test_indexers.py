@@ -18,6 +18,7 @@ Each indexer's own semantics (ties, the slot table, transformers / NeMo, argumen
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fcp.context import PackedContext
 from tests import _attention_rank_fns as fns
@@ -68,8 +69,11 @@ def test_matches_reference(name, kw, layout):
     inputs = index_inputs(seed, *doc_ids.shape, index_heads=3, kpool=kw.get("kpool", 4))
     got = fns.single_process(name, inputs, doc_ids, kw, None)["out"]
     want, near, _ = fns.reference_ids(name, inputs, doc_ids, kw)
-    assert got.shape == (*doc_ids.shape, row_width(name, kw))
-    fns.check_indexer_rows(got, want, near)
+    assert got.shape == want.shape == (*doc_ids.shape, row_width(name, kw))
+    assert got.dtype == torch.int64
+    differs = (got != want).any(-1)
+    assert not (differs & ~near).any(), (differs & ~near).nonzero().tolist()
+    assert near.float().mean() < 0.05, "too many near-tie rows for a meaningful test"
 
 
 @pytest.mark.parametrize(
