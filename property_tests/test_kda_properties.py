@@ -33,14 +33,19 @@ from tests.support.packing import length_rows
 GATES = pytest.mark.parametrize("gate", ["kda", "gdn"])
 
 
+#: per gate: the longest shard, the GVA factors (value heads per key head), the value dims
+SHAPES = {"kda": (48, [1, 2], [4, 8, 16]), "gdn": (40, [1, 2, 3], [4, 8])}
+
+
 @st.composite
 def problem(draw, gate: str, max_world: int = 4):
+    max_local, gvas, dvs = SHAPES[gate]
     world = draw(st.integers(1, max_world))
-    local = draw(st.integers(8, 48))
+    local = draw(st.integers(8, max_local))
     batch = draw(st.integers(1, 2))
     heads = draw(st.integers(1, 2))
-    gva = draw(st.sampled_from([1, 2, 3]))
-    dk, dv = draw(st.sampled_from([4, 8, 16])), draw(st.sampled_from([4, 8, 16]))
+    gva = draw(st.sampled_from(gvas))
+    dk, dv = draw(st.sampled_from([4, 8, 16])), draw(st.sampled_from(dvs))
     chunk = draw(st.sampled_from([4, 8, 16]))
     doc_ids = draw(length_rows(batch, world * local))
     seed = draw(st.integers(0, 2**16))
