@@ -108,62 +108,59 @@ def main(argv=None) -> Path:
     )
 
     sections = []
-    print("collectives ...", flush=True)
-    comm_rows, text = _capture(bench_comm.main, ["--repeats", "5" if q else "15"])
-    sections.append(("Collectives (4 gloo ranks)", text))
-    print("attention ...", flush=True)
-    att_rows, text = _capture(bench_attention.main, ["--lengths", *(["512", "1024"] if q else
-                                                                    ["512", "1024", "2048"]),
-                                                     "--repeats", "3" if q else "5"])
-    sections.append(("Attention operators: bytes and CP vs single process", text))
-    print("index attention ...", flush=True)
-    idx_rows, text = _capture(bench_index_attention.main,
-                              ["--lengths", *(["2048", "8192"] if q else ["2048", "8192", "32768"]),
-                               "--repeats", "2" if q else "3"])  # fmt: skip
-    sections.append(("Index attention: time per token (1 thread) and CP bytes per layer", text))
-    print("CP scaling ...", flush=True)
-    sc_rows, text = _capture(bench_scaling.main, ["--lengths", *(["512", "1024"] if q else
-                                                                 ["1024", "2048", "4096"]),
-                                                  "--repeats", "2" if q else "3"])
-    sections.append(("CP scaling of one hybrid layer (1/2/4 ranks)", text))
+
+    def run(label: str, title: str, fn, argv: list[str]):
+        """Runs one benchmark's ``main(argv)``, keeps its printout as a section; its rows."""
+        print(f"{label} ...", flush=True)
+        rows, text = _capture(fn, argv)
+        sections.append((title, text))
+        return rows
+
+    def sized(quick: list[str], full: list[str], repeats: tuple[str, str]) -> list[str]:
+        """``--lengths`` and ``--repeats`` for quick mode or for the full report."""
+        return ["--lengths", *(quick if q else full), "--repeats", repeats[0] if q else repeats[1]]
+
+    comm_rows = run("collectives", "Collectives (4 gloo ranks)", bench_comm.main,
+                    ["--repeats", "5" if q else "15"])
+    att_rows = run("attention", "Attention operators: bytes and CP vs single process",
+                   bench_attention.main,
+                   sized(["512", "1024"], ["512", "1024", "2048"], ("3", "5")))
+    idx_rows = run("index attention",
+                   "Index attention: time per token (1 thread) and CP bytes per layer",
+                   bench_index_attention.main,
+                   sized(["2048", "8192"], ["2048", "8192", "32768"], ("2", "3")))
+    sc_rows = run("CP scaling", "CP scaling of one hybrid layer (1/2/4 ranks)", bench_scaling.main,
+                  sized(["512", "1024"], ["1024", "2048", "4096"], ("2", "3")))
     print("KDA ...", flush=True)
     kda_args = (["--lengths", "512", "1024", "2048", "--recurrent-max", "1024", "--no-compile"]
                 if q else ["--lengths", "1024", "2048", "4096", "8192", "--chunk-max", "4096",
                            "--no-compile"])
     sections.append(("KDA vs FLA's naive references (CPU)", _script("bench_kda.py", kda_args)))
-    print("GDN ...", flush=True)
-    gdn_rows, text = _capture(bench_gdn.main, ["--lengths", *(["1024", "2048"] if q else
-                                                            ["1024", "2048", "4096", "8192"]),
-                                               "--repeats", "3" if q else "5"])  # fmt: skip
-    sections.append(("Gated DeltaNet: scalar gate vs the gate broadcast to [.., K] (CPU)", text))
-    print("gated linear attention (Mamba2's SSD) ...", flush=True)
-    gla_row, text = _capture(bench_gla.main, ["--repeats", "2" if q else "5", "--lengths",
-                                              *(["1024", "4096"] if q else
-                                                ["1024", "2048", "4096", "8192", "16384"])])
-    sections.append(("Gated linear attention (Mamba2's SSD) vs transformers' PyTorch SSD (CPU)",
-                     text))
-    print("KDA chunk scan vs loop (includes two cold inductor compiles) ...", flush=True)
-    scan_row, text = _capture(bench_kda_scan.main, ["--repeats", "3" if q else "7",
-                                                    "--compile-lens", "1024",
-                                                    "4096" if q else "16384"])  # fmt: skip
-    sections.append(("KDA's chunk recurrence: log-depth scan vs the Python loop", text))
-    print("isolation cost ...", flush=True)
-    iso_rows, text = _capture(bench_isolation.main, ["--lengths", "1024", "4096",
-                                                     "--repeats", "5" if q else "15"])  # fmt: skip
-    sections.append(("Cost of keeping NaN/inf inside its document (hybrid layer)", text))
-    print("GLM-5.3-Flash under CP ...", flush=True)
-    glm_rows, text = _capture(bench_glm5_cp.main, ["--lengths", *(["1024"] if q else
-                                                                ["1024", "4096"])])  # fmt: skip
-    sections.append(("transformers' GLM-5.3-Flash on fcp: CP 2 vs 1 rank, bytes per DSA layer",
-                     text))
-    print("agreement check ...", flush=True)
-    agree_rows, text = _capture(bench_agreement.main, ["--repeats", "10" if q else "30"])
-    sections.append(("shard_batch's check that the CP ranks hold the same batch (4 gloo ranks)",
-                     text))
-    print("Mamba2 hybrid layer under CP ...", flush=True)
-    mamba_rows, text = _capture(bench_mamba2_cp.main, ["--lengths", "4096" if q else "8192",
-                                                       "--repeats", "2" if q else "5"])  # fmt: skip
-    sections.append(("transformers' Nemotron-H Mamba2 layer on fcp: CP 2 vs 1 rank", text))
+    gdn_rows = run("GDN", "Gated DeltaNet: scalar gate vs the gate broadcast to [.., K] (CPU)",
+                   bench_gdn.main,
+                   sized(["1024", "2048"], ["1024", "2048", "4096", "8192"], ("3", "5")))
+    gla_row = run("gated linear attention (Mamba2's SSD)",
+                  "Gated linear attention (Mamba2's SSD) vs transformers' PyTorch SSD (CPU)",
+                  bench_gla.main, ["--repeats", "2" if q else "5", "--lengths",
+                                   *(["1024", "4096"] if q else
+                                     ["1024", "2048", "4096", "8192", "16384"])])
+    scan_row = run("KDA chunk scan vs loop (includes two cold inductor compiles)",
+                   "KDA's chunk recurrence: log-depth scan vs the Python loop", bench_kda_scan.main,
+                   ["--repeats", "3" if q else "7", "--compile-lens", "1024",
+                    "4096" if q else "16384"])  # fmt: skip
+    iso_rows = run("isolation cost", "Cost of keeping NaN/inf inside its document (hybrid layer)",
+                   bench_isolation.main,
+                   ["--lengths", "1024", "4096", "--repeats", "5" if q else "15"])
+    glm_rows = run("GLM-5.3-Flash under CP",
+                   "transformers' GLM-5.3-Flash on fcp: CP 2 vs 1 rank, bytes per DSA layer",
+                   bench_glm5_cp.main, ["--lengths", *(["1024"] if q else ["1024", "4096"])])
+    agree_rows = run("agreement check",
+                     "shard_batch's check that the CP ranks hold the same batch (4 gloo ranks)",
+                     bench_agreement.main, ["--repeats", "10" if q else "30"])
+    mamba_rows = run("Mamba2 hybrid layer under CP",
+                     "transformers' Nemotron-H Mamba2 layer on fcp: CP 2 vs 1 rank",
+                     bench_mamba2_cp.main, ["--lengths", "4096" if q else "8192",
+                                            "--repeats", "2" if q else "5"])  # fmt: skip
     print("layout ...", flush=True)
     sections.append(("Layout and sharding at 1M tokens / 100k documents",
                      _script("bench_layout.py", ["--repeats", "5" if q else "15",

@@ -26,17 +26,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script too: the benchmarks package
+
+from benchmarks.bench_kda import make  # noqa: E402  (KDA's benchmark inputs)
+
 HEADS, DIM, CHUNK = 4, 64, 64
-
-
-def make(seq: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, seq, HEADS, DIM, generator=gen)
-    k = torch.nn.functional.normalize(torch.randn(1, seq, HEADS, DIM, generator=gen), dim=-1)
-    v = torch.randn(1, seq, HEADS, DIM, generator=gen)
-    g = torch.nn.functional.logsigmoid(torch.randn(1, seq, HEADS, DIM, generator=gen))
-    beta = torch.rand(1, seq, HEADS, generator=gen)
-    return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
 def loop(w, u0, kd, dec, s0=None):
@@ -67,7 +61,7 @@ def eager(seq: int, repeats: int) -> dict:
     import fcp
     from fcp.scan import chunk_scan
 
-    xs = make(seq)
+    xs = make(seq, HEADS, DIM)
     ctx = fcp.PackedContext(torch.ones(1, seq, dtype=torch.long))
 
     def full():
@@ -104,11 +98,11 @@ def eager(seq: int, repeats: int) -> dict:
 COMPILE_CHILD = """
 import json, sys, time, torch
 sys.path.insert(0, {root!r})
-from benchmarks.bench_kda_scan import make, CHUNK
+from benchmarks.bench_kda_scan import CHUNK, DIM, HEADS, make
 import fcp
 torch.set_num_threads(1)
 seq = {seq}
-xs = make(seq)
+xs = make(seq, HEADS, DIM)
 ctx = fcp.PackedContext(torch.ones(1, seq, dtype=torch.long))
 f = torch.compile(lambda *a: fcp.kda(*a, ctx, chunk_size=CHUNK), fullgraph=True)
 t0 = time.perf_counter()

@@ -43,11 +43,7 @@ def sent_bytes(op: str, nbytes: int, args, rank: int, world: int) -> int:
     if op.startswith("all_reduce"):
         return 2 * nbytes * (n - 1) // n
     if op.startswith("all_to_all"):
-        splits = args[2] if len(args) > 2 else None
-        if not splits:
-            return nbytes * (n - 1) // n
-        splits = [int(s) for s in splits]
-        return nbytes // max(sum(splits), 1) * (sum(splits) - splits[rank])
+        return _others_rows(nbytes, args[2] if len(args) > 2 else None, rank, n)
     return 0
 
 
@@ -60,12 +56,17 @@ def received_bytes(op: str, in_bytes: int, out_bytes: int, args, rank: int, worl
     if op.startswith("all_gather"):
         return out_bytes - in_bytes
     if op.startswith("all_to_all"):
-        splits = args[1] if len(args) > 1 else None
-        if not splits:
-            return out_bytes * (world - 1) // world
-        splits = [int(s) for s in splits]
-        return out_bytes // max(sum(splits), 1) * (sum(splits) - splits[rank])
+        return _others_rows(out_bytes, args[1] if len(args) > 1 else None, rank, world)
     return sent_bytes(op, in_bytes, args, rank, world)
+
+
+def _others_rows(nbytes: int, splits, rank: int, world: int) -> int:
+    """Bytes of an all-to-all buffer of ``nbytes`` in the rows that ``splits`` (rows per rank;
+    empty or ``None``: even) assigns to ranks other than ``rank``."""
+    if not splits:
+        return nbytes * (world - 1) // world
+    splits = [int(s) for s in splits]
+    return nbytes // max(sum(splits), 1) * (sum(splits) - splits[rank])
 
 
 def _group_of(args, rank: int, world: int) -> tuple[int, int]:

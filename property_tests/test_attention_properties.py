@@ -17,23 +17,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tests import _attention_rank_fns as fns
-from tests.test_attention import packing, ref_grad, run_ref
+from tests._attention_rank_fns import SOFTMAX_OPS as OPS
+from tests.support.inputs import QKV, attention_inputs
+from tests.support.packing import cut_rows
+from tests.test_attention import ref_grad, run_ref
 
 HEADS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]
 FP32 = dict(atol=1e-5, rtol=1e-5)
 BF16 = dict(atol=3e-2, rtol=3e-2)
-
-
-@st.composite
-def doc_rows(draw, batch: int, seq: int):
-    rows = []
-    for _ in range(batch):
-        pad = draw(st.integers(0, min(5, seq)))
-        real = seq - pad
-        cuts = draw(st.sets(st.integers(1, max(1, real - 1)), max_size=6)) if real > 1 else set()
-        bounds = [0, *sorted(c for c in cuts if c < real), real]
-        rows.append([b - a for a, b in zip(bounds, bounds[1:]) if b > a])
-    return packing(seq, *rows)
 
 
 def op_kwargs(draw, name: str) -> dict:
@@ -45,15 +36,15 @@ def op_kwargs(draw, name: str) -> dict:
 
 @st.composite
 def cp_cases(draw, dtype=torch.float32):
-    name = draw(st.sampled_from(fns.OPS))
+    name = draw(st.sampled_from(OPS))
     world = draw(st.integers(1, 4))
     local = draw(st.sampled_from([4, 8, 12, 16] if world < 4 else [4, 8]))
     batch = draw(st.integers(1, 2))
     heads, kv_heads = draw(st.sampled_from(HEADS))
     dim = draw(st.sampled_from([4, 8]))
-    doc_ids = draw(doc_rows(batch, world * local))
+    doc_ids = draw(cut_rows(batch, world * local, max_cuts=6))
     seed = draw(st.integers(0, 2**16))
-    inputs = fns.make_inputs(seed, batch, world * local, heads, kv_heads, dim, dtype=dtype)
+    inputs = attention_inputs(seed, batch, world * local, heads, kv_heads, dim, dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
     grad_out = torch.randn(batch, world * local, heads, dim, generator=gen)
     return name, world, inputs, doc_ids, op_kwargs(draw, name), grad_out
@@ -61,12 +52,7 @@ def cp_cases(draw, dtype=torch.float32):
 
 def _check_cp(rank_pool, case, tol):
     name, world, inputs, doc_ids, kwargs, grad_out = case
-    want = fns.single_process(name, inputs, doc_ids, kwargs, grad_out)
-    res = rank_pool.run(fns.cp_rank, world, name, inputs, doc_ids, kwargs, grad_out)
-    for key in ("out",) + fns.QKV:
-        got = torch.cat([r[key] for r in res], 1)
-        assert got.dtype == want[key].dtype
-        torch.testing.assert_close(got.float(), want[key].float(), **tol, msg=f"{name} {key}")
+    fns.check_cp(rank_pool, name, world, inputs, doc_ids, kwargs, grad_out, tol)
 
 
 @settings(max_examples=120, deadline=None)
@@ -84,17 +70,17 @@ def test_cp_equals_single_process_bf16(rank_pool, case):
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_single_process_equals_reference(data):
-    name = data.draw(st.sampled_from(fns.OPS))
+    name = data.draw(st.sampled_from(OPS))
     seq = data.draw(st.integers(1, 14))
     batch = data.draw(st.integers(1, 2))
     heads, kv_heads = data.draw(st.sampled_from(HEADS))
-    doc_ids = data.draw(doc_rows(batch, seq))
+    doc_ids = data.draw(cut_rows(batch, seq, max_cuts=6))
     kwargs = op_kwargs(data.draw, name)
-    inputs = fns.make_inputs(data.draw(st.integers(0, 2**16)), batch, seq, heads, kv_heads)
+    inputs = attention_inputs(data.draw(st.integers(0, 2**16)), batch, seq, heads, kv_heads)
     out_ref, t = run_ref(name, inputs, doc_ids, kwargs)
     grad_out = torch.randn(out_ref.shape, dtype=torch.float64)
     (out_ref * grad_out).sum().backward()
     got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out.float())
     torch.testing.assert_close(got["out"].double(), out_ref, **FP32)
-    for n in fns.QKV:
+    for n in QKV:
         torch.testing.assert_close(got[n].double(), ref_grad(t[n]), **FP32, msg=n)

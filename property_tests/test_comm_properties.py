@@ -17,6 +17,8 @@ from tests import _comm_rank_fns as fns
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 SETTINGS = settings(max_examples=25, deadline=None)
 FEW = settings(max_examples=12, deadline=None)
+#: what every property draws: the world size, the data's dtype and the seed of its values
+COMMON = dict(world=st.integers(1, 4), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
 
 
 def _seeded(shape, dtype, seed):
@@ -26,13 +28,11 @@ def _seeded(shape, dtype, seed):
 
 @SETTINGS
 @given(
-    world=st.integers(1, 4),
     ndim=st.integers(2, 4),
     dim_pick=st.integers(0, 3),
     local=st.integers(1, 5),
     shard_div=st.sampled_from([1, 1, 4]),
-    dtype=st.sampled_from(DTYPES),
-    seed=st.integers(0, 2**16),
+    **COMMON,
 )
 def test_all_gather_sequence_matches_concat(rank_pool, world, ndim, dim_pick, local, shard_div,
                                             dtype, seed):
@@ -52,14 +52,8 @@ def test_all_gather_sequence_matches_concat(rank_pool, world, ndim, dim_pick, lo
 
 
 @SETTINGS
-@given(
-    world=st.integers(1, 4),
-    local=st.integers(1, 6),
-    history_factor=st.floats(0, 3.5),
-    channels=st.integers(1, 3),
-    dtype=st.sampled_from(DTYPES),
-    seed=st.integers(0, 2**16),
-)
+@given(local=st.integers(1, 6), history_factor=st.floats(0, 3.5), channels=st.integers(1, 3),
+       **COMMON)
 def test_left_halo_matches_global_slice(rank_pool, world, local, history_factor, channels,
                                         dtype, seed):
     history = int(history_factor * local)
@@ -87,14 +81,8 @@ def test_left_halo_matches_global_slice(rank_pool, world, local, history_factor,
 
 
 @SETTINGS
-@given(
-    world=st.integers(1, 4),
-    lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
-    k=st.integers(1, 4),
-    v=st.integers(1, 4),
-    dtype=st.sampled_from(DTYPES),
-    seed=st.integers(0, 2**16),
-)
+@given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), k=st.integers(1, 4),
+       v=st.integers(1, 4), **COMMON)
 def test_state_chain_matches_sequential_reference(rank_pool, world, lead, k, v, dtype, seed):
     ms = (_seeded([world, *lead, k, k], torch.float64, seed) * 0.5).to(dtype)
     ss = _seeded([world, *lead, k, v], dtype, seed + 1)

@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -19,17 +17,10 @@ from fcp.context import PackedContext
 from fcp.ops.kit.fla import build_fla_cp_context
 from fcp.ops.kda.reference import kda_reference
 from tests import _fla_rank_fns as fns
-from tests._fla_rank_fns import NAMES, doc_ids_from_lengths, make_inputs, rel_err
-
-
-def _fields(c) -> dict:
-    out = {}
-    for f in dataclasses.fields(c):
-        value = getattr(c, f.name)
-        if isinstance(value, torch.Tensor):
-            value = (value.dtype, value.device.type, value.tolist())
-        out[f.name] = value
-    return out
+from tests._fla_rank_fns import fla_context_dict
+from tests.support.cp_jobs import cat_ranks
+from tests.support.inputs import KDA_NAMES as NAMES, kda_inputs, rel_err
+from tests.support.packing import doc_ids_from_lengths
 
 
 @st.composite
@@ -62,7 +53,7 @@ def test_build_fla_cp_context_equals_fla(packing, conv):
             dev, cpu = ctx.row_cu_seqlens(row)
             theirs = build_cp_context(dev.clone(), None, conv, cu_seqlens_cpu=cpu.clone(),
                                       world_size=world, rank=rank)  # fmt: skip
-            assert _fields(ours) == _fields(theirs), (rank, row, doc[row].tolist())
+            assert fla_context_dict(ours) == fla_context_dict(theirs), (rank, row, doc[row].tolist())
             assert build_fla_cp_context(ctx, row, None, conv) is ours
 
 
@@ -71,12 +62,11 @@ def test_build_fla_cp_context_equals_fla(packing, conv):
 def test_static_mode_cp_equals_reference(rank_pool, packing, seed):
     world, doc = packing
     b, t = doc.shape
-    inputs = make_inputs(b, t, 1, 2, 4, 3, seed)
+    inputs = kda_inputs(b, t, 1, 2, 4, 3, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     grad_out = torch.randn(b, t, 2, 3, generator=gen, dtype=torch.float64)
     res = rank_pool.run(fns.static_kda_fwd_bwd, world, inputs, doc, grad_out, 32, False)
-    out = torch.cat([r[0] for r in res], 1)
-    grads = {n: torch.cat([r[1][n] for r in res], 1) for n in NAMES}
+    out, grads = cat_ranks(res, "out"), {n: cat_ranks(res, n) for n in NAMES}
     xs = {n: x.clone().requires_grad_() for n, x in inputs.items()}
     ref = kda_reference(*(xs[n] for n in NAMES), PackedContext(doc))
     ref_grads = torch.autograd.grad(ref, [xs[n] for n in NAMES], grad_out.to(ref.dtype))

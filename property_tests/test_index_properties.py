@@ -21,30 +21,14 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 from fcp.ops.index_attention.reference import index_attention_reference
-from fcp.ops.kpool_indexer.reference import kpool_indexer_reference
-from fcp.ops.kit.norms import rope_tables
-from fcp.ops.qsa_indexer.reference import qsa_indexer_reference
-from fcp.context import PackedContext
-from tests import _index_rank_fns as fns
-from tests._index_rank_fns import one_thread  # noqa: F401 (autouse fixture)
-from tests.test_index_attention import packing
+from tests import _attention_rank_fns as fns
+from tests._attention_rank_fns import one_thread  # noqa: F401 (autouse fixture)
+from tests.support.inputs import QKV, index_inputs
+from tests.support.packing import cut_rows
 
 HEADS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]
 FP32 = dict(atol=1e-5, rtol=1e-5)
 BF16 = dict(atol=3e-2, rtol=3e-2)
-KPOOL = ("index_q", "index_k", "gate_logits", "ape", "head_weights")
-
-
-@st.composite
-def doc_rows(draw, batch: int, seq: int):
-    rows = []
-    for _ in range(batch):
-        pad = draw(st.integers(0, min(5, seq)))
-        real = seq - pad
-        cuts = draw(st.sets(st.integers(1, max(1, real - 1)), max_size=5)) if real > 1 else set()
-        bounds = [0, *sorted(c for c in cuts if c < real), real]
-        rows.append([b - a for a, b in zip(bounds, bounds[1:]) if b > a])
-    return packing(seq, *rows)
 
 
 def op_kwargs(draw, name: str) -> dict:
@@ -59,16 +43,16 @@ def op_kwargs(draw, name: str) -> dict:
 
 
 @st.composite
-def cases(draw, ops=fns.OPS, dtype=torch.float32, max_world=4):
+def cases(draw, ops=fns.INDEX_OPS + fns.INDEXER_OPS, dtype=torch.float32, max_world=4):
     name = draw(st.sampled_from(ops))
     world = draw(st.integers(1, max_world))
     local = draw(st.sampled_from([3, 5, 8, 12] if world < 4 else [3, 5, 8]))
     batch = draw(st.integers(1, 2))
     heads, kv_heads = draw(st.sampled_from(HEADS))
     kw = op_kwargs(draw, name)
-    doc_ids = draw(doc_rows(batch, world * local))
+    doc_ids = draw(cut_rows(batch, world * local, max_cuts=5))
     seed = draw(st.integers(0, 2**16))
-    inputs = fns.make_inputs(seed, batch, world * local, heads, kv_heads,
+    inputs = index_inputs(seed, batch, world * local, heads, kv_heads,
                              dim=draw(st.sampled_from([4, 8])), dv=6,
                              width=draw(st.integers(1, 8)), kpool=kw.get("kpool", 4),
                              dtype=dtype)  # fmt: skip
@@ -77,21 +61,9 @@ def cases(draw, ops=fns.OPS, dtype=torch.float32, max_world=4):
     return name, world, inputs, doc_ids, kw, grad_out
 
 
-def _compare(name, got, want, tol):
-    if name in fns.INDEXER_OPS:
-        assert torch.equal(got["out"], want["out"]), name
-        return
-    for key in ("out",) + fns.QKV:
-        assert got[key].dtype == want[key].dtype
-        torch.testing.assert_close(got[key].float(), want[key].float(), **tol, msg=f"{name} {key}")
-
-
 def _check_cp(rank_pool, case, tol):
     name, world, inputs, doc_ids, kw, grad_out = case
-    want = fns.single_process(name, inputs, doc_ids, kw, grad_out)
-    res = rank_pool.run(fns.cp_rank, world, name, inputs, doc_ids, kw, grad_out)
-    got = {key: torch.cat([r[key] for r in res], 1) for key in res[0]}
-    _compare(name, got, want, tol)
+    fns.check_cp(rank_pool, name, world, inputs, doc_ids, kw, grad_out, tol)
 
 
 @settings(max_examples=150, deadline=None)
@@ -112,22 +84,16 @@ def test_single_process_equals_reference(case):
     name, _, inputs, doc_ids, kw, grad_out = case
     got = fns.single_process(name, inputs, doc_ids, kw, grad_out)
     if name == "attn":
-        t = {n: inputs[n].double().requires_grad_() for n in fns.QKV}
+        t = {n: inputs[n].double().requires_grad_() for n in QKV}
         out = index_attention_reference(t["q"], t["k"], t["v"], inputs["indices"], doc_ids,
                                         kw["scale"])  # fmt: skip
         (out * grad_out.double()).sum().backward()
         torch.testing.assert_close(got["out"].double(), out, **FP32)
-        for n in fns.QKV:
+        for n in QKV:
             want = torch.zeros_like(t[n]) if t[n].grad is None else t[n].grad  # nothing read
             torch.testing.assert_close(got[n].double(), want, **FP32, msg=n)
         return
-    if name == "kpool":
-        want, near, _ = kpool_indexer_reference(*[inputs[n] for n in KPOOL], doc_ids, **kw)
-    else:
-        cos, sin = rope_tables(PackedContext(doc_ids).position_ids, fns.ROTARY)
-        want, near, _ = qsa_indexer_reference(inputs["index_q"], inputs["index_k"],
-                                              inputs["q_norm"], inputs["k_norm"], cos, sin,
-                                              doc_ids, **kw)  # fmt: skip
+    want, near, _ = fns.reference_ids(name, inputs, doc_ids, kw)
     differs = (got["out"] != want).any(-1)
     assume(not (differs & near).any())  # an order decided by float rounding of a near tie
     assert torch.equal(got["out"], want)

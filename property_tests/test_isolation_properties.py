@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from fcp.context import PackedContext
 from tests import _isolation_rank_fns as fns
+from tests.support.cp_jobs import cat_ranks
 
 POISONS = (float("nan"), float("inf"), float("-inf"))
 
@@ -60,12 +61,10 @@ def test_non_finite_values_stay_in_their_document(rank_pool, problem):
         poisoned[where] = x
     res = rank_pool.run(fns.clean_and_poisoned, world, op, inputs, poisoned, doc_ids, grad,
                         poisoned_grad)  # fmt: skip
-    (out_c, g_c), (out_p, g_p) = ([torch.cat([r[i][0] for r in res], 1),
-                                   {n: torch.cat([r[i][1][n] for r in res], 1) for n in res[0][i][1]}]
-                                  for i in (0, 1))  # fmt: skip
     keep = torch.ones_like(doc_ids, dtype=torch.bool)  # other rows: everything, padding included
     keep[b] = doc_ids[b] != doc_ids[b, t]  # this row: every other document and the padding
-    for name, clean, dirty in [("out", out_c, out_p)] + [(n, g_c[n], g_p[n]) for n in g_c]:
-        c, d = clean[keep], dirty[keep]
+    for name in res[0][0]:
+        c = cat_ranks([r[0] for r in res], name)[keep]
+        d = cat_ranks([r[1] for r in res], name)[keep]
         assert bool(torch.isfinite(d).all()), (op, world, name, where, value)
         assert torch.equal(c, d), (op, world, name, where, value, (c - d).abs().max())

@@ -25,39 +25,11 @@ from fcp.layout import (
     validate_doc_ids,
     validate_right_tail_mask,
 )
+from tests.support.packing import ref_doc_ids_row, ref_positions_row, ref_segments
 
 S = SEQ_LENS_SENTINEL
 ROUND_TRIP = settings(max_examples=80, deadline=None)
 BROKEN = settings(max_examples=20, deadline=None)  # per kind of broken input
-
-
-# ----------------------------------------------------------------- references
-
-
-def ref_doc_ids_row(lengths: list[int], seq_len: int) -> list[int]:
-    row, doc = [], 0
-    for n in lengths:
-        if n > 0:
-            doc += 1
-            row += [doc] * n
-    return row + [0] * (seq_len - len(row))
-
-
-def ref_segments(row: list[int]) -> list[int]:
-    bounds = [0]
-    for j in range(1, len(row)):
-        if row[j] != row[j - 1]:
-            bounds.append(j)
-    if row:
-        bounds.append(len(row))
-    return bounds
-
-
-def ref_positions_row(ids: list[int]) -> list[int]:
-    out = []
-    for j, v in enumerate(ids):
-        out.append(0 if j == 0 or ids[j - 1] != v else out[-1] + 1)
-    return out
 
 
 # ----------------------------------------------------------------- strategies

@@ -204,15 +204,6 @@ def test_glm_sharder_single_process(data):
         assert f.value[1] is f.kwargs["batch"]  # mutated in place, returned
 
 
-@RANKS
-@given(data=st.one_of(glm_batches(), glm_batches(invalid=True)), world=st.sampled_from([2, 4]))
-def test_glm_sharder_on_ranks(rank_pool, data, world):
-    case, kwargs = data
-    assume(kwargs)
-    verdicts = rank_pool.run(fns.shard_diff, world, "glm", case, kwargs)
-    assert len(set(verdicts)) == 1  # every rank reached the same verdict
-
-
 # ------------------------------------------------------------------ Qwen: helpers and context
 @st.composite
 def boundary_inputs(draw):
@@ -345,13 +336,14 @@ def test_qwen_sharder_single_process(data):
         batch_untouched(kwargs["batch"], f.kwargs["batch"])
 
 
+@pytest.mark.parametrize("model,batches", [("glm", glm_batches), ("qwen", qwen_batches)])
 @RANKS
-@given(data=st.one_of(qwen_batches(), qwen_batches(invalid=True)), world=st.sampled_from([2, 4]))
-def test_qwen_sharder_on_ranks(rank_pool, data, world):
-    case, kwargs = data
+@given(data=st.data(), world=st.sampled_from([2, 4]))
+def test_sharder_on_ranks(rank_pool, model, batches, data, world):
+    case, kwargs = data.draw(st.one_of(batches(), batches(invalid=True)))
     assume(kwargs)
-    verdicts = rank_pool.run(fns.shard_diff, world, "qwen", case, kwargs)
-    assert len(set(verdicts)) == 1
+    verdicts = rank_pool.run(fns.shard_diff, world, model, case, kwargs)
+    assert len(set(verdicts)) == 1  # every rank reached the same verdict
 
 
 @RANKS

@@ -33,44 +33,31 @@ from fcp.ops.conv.reference import short_conv_reference  # noqa: E402
 from fcp.ops.conv.fla import short_conv_fla_varlen  # noqa: E402
 from fcp.ops.kda.fla import fla_kda_fwd, kda_fla_static, kda_fla_varlen  # noqa: E402
 from fcp.ops.kda.reference import kda_recurrence, kda_reference  # noqa: E402
-from tests._fla_rank_fns import doc_ids_from_lengths, make_inputs, rel_err  # noqa: E402
-
-NAMES = ("q", "k", "v", "g", "beta")
-
-
-def _grads(fn, inputs: dict, grad_out: torch.Tensor):
-    xs = {n: x.clone().requires_grad_() for n, x in inputs.items()}
-    out = fn(*(xs[n] for n in NAMES))
-    (out.double() * grad_out).sum().backward()
-    return out.detach(), {n: xs[n].grad for n in NAMES}
+from tests.support.inputs import KDA_NAMES as NAMES, kda_inputs, rel_err  # noqa: E402
+from tests.support.kda_oracles import out_and_grads  # noqa: E402
+from tests.support.packing import doc_ids_from_lengths  # noqa: E402
 
 
-def _compare(fn, ref_fn, inputs, seed) -> dict:
-    out_shape = (*inputs["v"].shape,)
-    grad_out = torch.randn(out_shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    out, grads = _grads(fn, inputs, grad_out)
-    ref, ref_grads = _grads(ref_fn, inputs, grad_out)
-    res = {"out": rel_err(out, ref)}
-    res.update({f"d{n}": rel_err(grads[n], ref_grads[n]) for n in NAMES})
-    return res
+def _check_mode(mode, rows, value_heads, seed) -> dict:
+    """``mode`` (through FLA's kernels) vs :func:`kda_reference`: output and input gradients."""
+    doc = doc_ids_from_lengths(rows)
+    ctx = PackedContext(doc)
+    inputs = kda_inputs(1, doc.shape[1], 1, value_heads, 16, 16, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    grad_out = torch.randn(*inputs["v"].shape, generator=gen, dtype=torch.float64)
+    out, grads = out_and_grads(lambda *xs: mode(*xs, ctx, chunk_size=32), inputs, grad_out)
+    ref, ref_grads = out_and_grads(lambda *xs: kda_reference(*xs, ctx), inputs, grad_out)
+    return {"out": rel_err(out, ref)} | {f"d{n}": rel_err(grads[n], ref_grads[n]) for n in NAMES}
 
 
 def check_static() -> dict:
     # row 0: 1-token docs, two resets inside the first 32-chunk, a doc across chunks, pad tail
-    doc = doc_ids_from_lengths([([1, 1, 3, 20, 30, 1], 8)])
-    ctx = PackedContext(doc)
-    inputs = make_inputs(1, doc.shape[1], 1, 2, 16, 16, seed=1)
-    return _compare(
-        lambda *xs: kda_fla_static(*xs, ctx, chunk_size=32),
-        lambda *xs: kda_reference(*xs, ctx),
-        inputs,
-        seed=2,
-    )
+    return _check_mode(kda_fla_static, [([1, 1, 3, 20, 30, 1], 8)], 2, seed=1)
 
 
 def check_h0() -> dict:
     b, t, h, hv, dk, dv = 1, 40, 1, 2, 16, 8
-    inputs = make_inputs(b, t, h, hv, dk, dv, seed=3)
+    inputs = kda_inputs(b, t, h, hv, dk, dv, seed=3)
     v_aug = torch.cat([inputs["v"], inputs["v"].new_zeros(b, t, hv, dk)], -1)
     eye = torch.eye(dk).expand(b, hv, dk, dk)
     h0 = torch.cat([torch.zeros(b, hv, dk, dv), eye], -1).contiguous()
@@ -93,15 +80,7 @@ def check_h0() -> dict:
 
 
 def check_varlen() -> dict:
-    doc = doc_ids_from_lengths([([2, 1, 30, 7], 0)])
-    ctx = PackedContext(doc)
-    inputs = make_inputs(1, doc.shape[1], 1, 1, 16, 16, seed=5)
-    return _compare(
-        lambda *xs: kda_fla_varlen(*xs, ctx, chunk_size=32),
-        lambda *xs: kda_reference(*xs, ctx),
-        inputs,
-        seed=6,
-    )
+    return _check_mode(kda_fla_varlen, [([2, 1, 30, 7], 0)], 1, seed=5)
 
 
 def check_conv() -> dict:

@@ -15,6 +15,8 @@ from fcp.ops.doc_causal import doc_causal_attention
 from fcp.ops.conv import short_conv
 from fcp.ops.gla import gla
 from fcp.ops.kda import kda
+from tests.support import cp_jobs
+from tests.support.inputs import attention_inputs, kda_inputs
 
 #: per operator: its token inputs (poisonable, differentiated) in call order
 TOKEN_INPUTS = {
@@ -29,21 +31,18 @@ TOKEN_INPUTS = {
 
 def make_inputs(op: str, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     """Global fp32 inputs of ``op`` (and its parameters, which are never poisoned)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def r(*shape):
-        return torch.randn(batch, seq, *shape, generator=gen)
-
     if op in ("kda", "gdn"):
-        gate = (2, 4) if op == "kda" else (2,)
-        return dict(q=r(2, 4), k=torch.nn.functional.normalize(r(2, 4), dim=-1), v=r(2, 4),
-                    g=-torch.rand(batch, seq, *gate, generator=gen) * 2,
-                    beta=torch.rand(batch, seq, 2, generator=gen))  # fmt: skip
+        return kda_inputs(batch, seq, 2, 2, 4, 4, seed, gate=op)
+    gen = torch.Generator().manual_seed(seed)
     if op == "gla":
+        def r(*shape):
+            return torch.randn(batch, seq, *shape, generator=gen)
+
         return dict(q=r(1, 4), k=r(1, 4), v=r(2, 4), a=-torch.rand(batch, seq, 2, generator=gen) * 2)
     if op == "short_conv":
-        return dict(x=r(6), weight=torch.randn(6, 4, generator=gen), bias=torch.randn(6, generator=gen))
-    return dict(q=r(4, 8), k=r(2, 8), v=r(2, 8))
+        return dict(x=torch.randn(batch, seq, 6, generator=gen),
+                    weight=torch.randn(6, 4, generator=gen), bias=torch.randn(6, generator=gen))
+    return attention_inputs(seed, batch, seq, heads=4, kv_heads=2, dim=8)
 
 
 def call(op: str, t: dict, ctx: PackedContext) -> torch.Tensor:
@@ -59,20 +58,15 @@ def call(op: str, t: dict, ctx: PackedContext) -> torch.Tensor:
 
 
 def _run(env, op, inputs, doc_ids, grad_out):
-    if env is None:
-        ctx, sl = PackedContext(doc_ids), slice(None)
-    else:
-        ctx = PackedContext(doc_ids, group=env.group, cp_size=env.world_size, cp_rank=env.rank)
-        sl = slice(ctx.seq_start, ctx.seq_end)
+    ctx = PackedContext(doc_ids) if env is None else cp_jobs.cp_context(env, doc_ids)
     names = TOKEN_INPUTS[op]
-    t = {n: (x[:, sl] if n in names else x).clone().requires_grad_(n in names)
-         for n, x in inputs.items()}  # fmt: skip
-    out = call(op, t, ctx)
-    out.backward(grad_out[:, sl])
-    return out.detach(), {n: t[n].grad for n in names}
+    params = [n for n in inputs if n not in names]
+    return cp_jobs.forward_backward(lambda t, c: call(op, t, c), inputs, ctx, grad_out,
+                                    cp_jobs.shard(ctx), grads=names, params=params)
 
 
 def clean_and_poisoned(env, op, inputs, poisoned_inputs, doc_ids, grad_out, poisoned_grad):
-    """``((out, grads) clean, (out, grads) poisoned)`` of this rank (``env=None``: one process)."""
+    """``({"out": .., input: gradient}, same poisoned)`` of this rank (``env=None``: one
+    process)."""
     return (_run(env, op, inputs, doc_ids, grad_out),
             _run(env, op, poisoned_inputs, doc_ids, poisoned_grad))  # fmt: skip

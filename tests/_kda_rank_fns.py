@@ -1,85 +1,42 @@
-"""Functions run on pool ranks by the KDA tests (importable by module path).
+"""Functions run on pool ranks by the KDA / Gated DeltaNet tests (importable by module path).
 
-Every rank receives the same global inputs, runs :func:`fcp.ops.kda.kda` on its contiguous slice
-and returns plain tensors; the test process concatenates them in rank order and compares with a
-single-process run on the global tensors.
+Every rank receives the same global inputs, runs :func:`fcp.ops.kda.kda` (or another function
+of the same signature) on its contiguous slice and returns plain tensors
+(:mod:`tests.support.cp_jobs`); the test process concatenates them in rank order and compares
+with a single-process run on the global tensors.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fcp.context import PackedContext
 from fcp.ops.kda import kda
-
-NAMES = ("q", "k", "v", "g", "beta")
-
-
-def _ctx(env, doc_ids: torch.Tensor) -> PackedContext:
-    return PackedContext(doc_ids, group=env.group, cp_size=env.world_size, cp_rank=env.rank)
+from tests.support import cp_jobs
+from tests.support.inputs import KDA_NAMES
 
 
-def _local(env, x: torch.Tensor) -> torch.Tensor:
-    n = x.shape[1] // env.world_size
-    return x[:, env.rank * n : (env.rank + 1) * n]
+def _call(fn, chunk_size: int):
+    def call(t, ctx):
+        return fn(*(t[n] for n in KDA_NAMES), ctx, chunk_size=chunk_size)
+
+    return call
 
 
-def kda_fwd_bwd(env, inputs: dict, doc_ids, grad_out, chunk_size: int, compiled=False):
-    """Local output and local gradients of q, k, v, g, beta for ``sum(out * grad_out)``."""
-    ctx = _ctx(env, doc_ids)
-    xs = {n: _local(env, inputs[n]).clone().requires_grad_() for n in NAMES}
-    fn = kda
+def kda_fwd_bwd(env, inputs: dict, doc_ids, grad_out, chunk_size: int, compiled=False, fn=kda):
+    """``{"out": .., "q": .., "k": .., "v": .., "g": .., "beta": ..}``: this rank's output and
+    input gradients for ``sum(out * grad_out)``; ``compiled``: ``fn`` under
+    ``torch.compile(fullgraph=True, backend="aot_eager")``, compiled from scratch."""
     if compiled:
         torch._dynamo.reset()
-        fn = torch.compile(kda, fullgraph=True, backend="aot_eager")
-    out = fn(*(xs[n] for n in NAMES), ctx, chunk_size=chunk_size)
-    (out.float() * _local(env, grad_out)).sum().backward()
-    return out.detach(), {n: xs[n].grad for n in NAMES}
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    ctx = cp_jobs.cp_context(env, doc_ids)
+    return cp_jobs.forward_backward(_call(fn, chunk_size), inputs, ctx, grad_out,
+                                    cp_jobs.shard(ctx), grads=KDA_NAMES)  # fmt: skip
 
 
 def kda_leak(env, inputs: dict, perturbed: dict, doc_ids, chunk_size: int):
     """Local outputs for two input sets (no grad), to compare bitwise outside the changed doc."""
-    ctx = _ctx(env, doc_ids)
+    ctx = cp_jobs.cp_context(env, doc_ids)
+    call = _call(kda, chunk_size)
     with torch.no_grad():
-        a = kda(*(_local(env, inputs[n]) for n in NAMES), ctx, chunk_size=chunk_size)
-        b = kda(*(_local(env, perturbed[n]) for n in NAMES), ctx, chunk_size=chunk_size)
-    return a, b
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers shared by tests/test_kda.py and property_tests/test_kda_properties.py
-# ---------------------------------------------------------------------------------------------
-def make_inputs(batch, seq, heads, value_heads, dk, dv, seed, dtype=torch.float32) -> dict:
-    """Realistic KDA inputs: L2-normalised keys, beta in (0, 1), log decays in [-8, 0]."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    g = -8.0 * torch.rand(batch, seq, value_heads, dk, generator=gen, dtype=torch.float64) ** 3
-    out = dict(
-        q=rand(batch, seq, heads, dk),
-        k=torch.nn.functional.normalize(rand(batch, seq, heads, dk), dim=-1),
-        v=rand(batch, seq, value_heads, dv),
-        g=g,
-        beta=torch.rand(batch, seq, value_heads, generator=gen, dtype=torch.float64),
-    )
-    return {n: x.to(dtype) for n, x in out.items()}
-
-
-def doc_ids_from_lengths(rows: list[tuple[list[int], int]]) -> torch.Tensor:
-    """int64 ``[batch, seq]`` from per-row ``(document lengths, pad length)``."""
-    out = []
-    for lens, pad in rows:
-        counts = torch.tensor(lens, dtype=torch.long)
-        ids = torch.repeat_interleave(torch.arange(1, len(lens) + 1), counts)
-        out.append(torch.cat([ids, torch.zeros(pad, dtype=torch.long)]))
-    return torch.stack(out)
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |a - ref| / max |ref| (0 when both are all zero)."""
-    a, ref = a.double(), ref.double()
-    den = ref.abs().max().item()
-    num = (a - ref).abs().max().item()
-    return num / den if den else num
+        return tuple(call(cp_jobs.leaves(x, cp_jobs.shard(ctx)), ctx) for x in (inputs, perturbed))

@@ -14,23 +14,19 @@ import pytest
 import torch
 
 from fcp.context import PackedContext
-from fcp.layout import doc_ids_from_seq_lens
 from fcp.ops.compressed.reference import compressed_attention_reference as ref_compressed
 from fcp.ops.doc_causal.reference import doc_causal_attention_reference as ref_doc_causal
 from tests import _attention_rank_fns as fns
+from tests._attention_rank_fns import SOFTMAX_OPS as OPS
+from tests.support.inputs import QKV, attention_inputs
+from tests.support.packing import EDGE_PACKINGS, packing, random_packings
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
 
 # ============================================================================ helpers
-def packing(seq: int, *rows: list[int]) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    lens = torch.tensor([r + [-1000] * (width - len(r)) for r in rows], dtype=torch.long)
-    return doc_ids_from_seq_lens(lens, seq)
-
-
 def run_ref(name, inputs, doc_ids, kwargs):
-    t = {n: x.clone().double().requires_grad_(n in fns.QKV) for n, x in inputs.items()}
+    t = {n: x.clone().double().requires_grad_(n in QKV) for n, x in inputs.items()}
     if name == "doc_causal":
         out = ref_doc_causal(t["q"], t["k"], t["v"], doc_ids, **kwargs)
     else:
@@ -45,7 +41,7 @@ def check_against_reference(name, inputs, doc_ids, kwargs, tol=FP32):
     got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out.float())
     assert got["out"].dtype == inputs["q"].dtype
     torch.testing.assert_close(got["out"].double(), out_ref, **tol)
-    for n in fns.QKV:
+    for n in QKV:
         torch.testing.assert_close(got[n].double(), ref_grad(t[n]), **tol, msg=f"grad {n}")
     return got
 
@@ -55,14 +51,7 @@ def ref_grad(x: torch.Tensor) -> torch.Tensor:
 
 
 # ============================================================================ reference equality
-PACKINGS = {
-    "one_doc": (16, [16]),
-    "pad_tail": (16, [5, 3, 6]),
-    "tiny_docs": (16, [1, 2, 1, 3, 1, 5, 1]),
-    "two_rows": (12, [7, 4], [2, 2, 2, 2, 2, 2]),
-    "all_pad_row": (8, [8], [0]),
-    "straddling_blocks": (24, [2, 11, 1, 9]),
-}
+PACKINGS = {**EDGE_PACKINGS, "straddling_blocks": (24, [2, 11, 1, 9])}
 CASES = [
     ("doc_causal", {}),
     ("doc_causal", {"scale": 0.3}),
@@ -76,13 +65,12 @@ CASES = [
 @pytest.mark.parametrize("name,kwargs", CASES, ids=lambda x: str(x) if isinstance(x, dict) else x)
 @pytest.mark.parametrize("pack", list(PACKINGS))
 def test_matches_reference(name, kwargs, pack):
-    seq, *rows = PACKINGS[pack]
-    doc_ids = packing(seq, *rows)
-    inputs = fns.make_inputs(0, len(rows), seq, heads=4, kv_heads=2, dim=4)
+    doc_ids = packing(*PACKINGS[pack])
+    inputs = attention_inputs(0, *doc_ids.shape, heads=4, kv_heads=2, dim=4)
     check_against_reference(name, inputs, doc_ids, kwargs)
 
 
-@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("seq", [7, 11])
 def test_length_not_a_multiple_of_the_block(name, seq):
     """Without CP any length works (a trailing partial block)."""
@@ -91,21 +79,21 @@ def test_length_not_a_multiple_of_the_block(name, seq):
         "doc_causal": {},
         "compressed": {"ratio": 4, "window": 3},
     }
-    inputs = fns.make_inputs(1, 1, seq, heads=2, kv_heads=2, dim=8)
+    inputs = attention_inputs(1, 1, seq, heads=2, kv_heads=2, dim=8)
     check_against_reference(name, inputs, doc_ids, kwargs[name])
 
 
 BF16 = dict(atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("name", OPS)
 def test_bf16(name):
     """bf16 in, bf16 out and grads; fp32 softmax keeps them within bf16 rounding of the float64
     reference (run on the same bf16-rounded inputs)."""
     doc_ids = packing(16, [6, 1, 7])
-    inputs = fns.make_inputs(3, 1, 16, heads=4, kv_heads=1, dim=8, dtype=torch.bfloat16)
+    inputs = attention_inputs(3, 1, 16, heads=4, kv_heads=1, dim=8, dtype=torch.bfloat16)
     got = check_against_reference(name, inputs, doc_ids, {}, tol=BF16)
-    assert all(got[n].dtype == torch.bfloat16 for n in ("out",) + fns.QKV)
+    assert all(got[n].dtype == torch.bfloat16 for n in ("out",) + QKV)
 
 
 # ============================================================================ masks and pads
@@ -113,26 +101,26 @@ def _call(name, inputs, doc_ids, kwargs=None):
     return fns.call_op(name, inputs, PackedContext(doc_ids), kwargs or {})
 
 
-@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("name", OPS)
 def test_pad_queries_zero_and_no_gradient_into_real_tokens(name):
     doc_ids = packing(12, [4, 3])
-    inputs = fns.make_inputs(0, 1, 12)
-    for n in fns.QKV:
+    inputs = attention_inputs(0, 1, 12)
+    for n in QKV:
         inputs[n].requires_grad_()
     out = _call(name, inputs, doc_ids)
     assert torch.isfinite(out).all()
     assert torch.equal(out[:, 7:], torch.zeros_like(out[:, 7:]))
     out[:, 7:].sum().backward()  # a loss on pad outputs only
-    for n in fns.QKV:
+    for n in QKV:
         assert torch.isfinite(inputs[n].grad).all()
         assert torch.equal(inputs[n].grad, torch.zeros_like(inputs[n].grad)), n
 
 
-@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("name", OPS)
 def test_first_token_of_a_document_sees_only_itself(name):
     """Everything masked but the query itself: the output is exactly v at that token."""
     doc_ids = packing(8, [3, 5])
-    inputs = fns.make_inputs(0, 1, 8, heads=2, kv_heads=1)
+    inputs = attention_inputs(0, 1, 8, heads=2, kv_heads=1)
     out = _call(name, inputs, doc_ids)
     for t in (0, 3):
         torch.testing.assert_close(out[0, t], inputs["v"][0, t].expand(2, -1), atol=1e-6, rtol=0)
@@ -152,12 +140,12 @@ ISOLATION_KWARGS = {
 }
 
 
-@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("name", OPS)
 def test_isolation_bitwise(name):
     """Perturbing every input of one document changes no other output."""
     doc_ids = packing(24, [5, 7, 1, 6, 3])  # blocks straddle documents
     for seed, d in itertools.product(range(3), range(1, 6)):
-        inputs = fns.make_inputs(seed, 1, 24, heads=2, kv_heads=1)
+        inputs = attention_inputs(seed, 1, 24, heads=2, kv_heads=1)
         base = _call(name, inputs, doc_ids, ISOLATION_KWARGS[name])
         mine = (doc_ids[0] == d).nonzero().flatten()
         out = _call(name, _perturb(inputs, mine), doc_ids, ISOLATION_KWARGS[name])
@@ -166,11 +154,11 @@ def test_isolation_bitwise(name):
         assert not torch.equal(out[:, mine], base[:, mine])
 
 
-@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("name", OPS)
 def test_causality_bitwise(name):
     """Perturbing tokens after t (all inputs) changes no output at or before t."""
     doc_ids = packing(24, [20, 3])
-    inputs = fns.make_inputs(5, 1, 24, heads=2, kv_heads=1)
+    inputs = attention_inputs(5, 1, 24, heads=2, kv_heads=1)
     base = _call(name, inputs, doc_ids, ISOLATION_KWARGS[name])
     for t in (0, 3, 8, 13, 19):
         new = _perturb(inputs, torch.arange(t + 1, 24))
@@ -187,7 +175,7 @@ class _FakeGroup:
 def test_cp_local_length_must_be_a_multiple(name, kw, word):
     doc_ids = packing(12, [12])
     ctx = PackedContext(doc_ids, group=_FakeGroup(), cp_size=2, cp_rank=0)  # local 6
-    inputs = {n: x[:, :6] for n, x in fns.make_inputs(0, 1, 12).items()}
+    inputs = {n: x[:, :6] for n, x in attention_inputs(0, 1, 12).items()}
     with pytest.raises(ValueError, match=word):
         fns.call_op(name, inputs, ctx, kw)
 
@@ -195,7 +183,7 @@ def test_cp_local_length_must_be_a_multiple(name, kw, word):
 @pytest.mark.parametrize("bad", ["heads", "dim", "length", "ratio"])
 def test_bad_arguments(bad):
     doc_ids = packing(8, [8])
-    t = fns.make_inputs(0, 1, 8, heads=3, kv_heads=1)
+    t = attention_inputs(0, 1, 8, heads=3, kv_heads=1)
     ctx = PackedContext(doc_ids)
     from fcp.ops.compressed import compressed_attention
     from fcp.ops.doc_causal import doc_causal_attention
@@ -219,62 +207,40 @@ CP_KWARGS = {
 }
 
 
-@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_cp_matches_single_process(rank_pool, name, world_size):
     seq = 8 * world_size
     doc_ids = packing(seq, [3, seq - 9, 2], [seq])  # documents spanning every rank; pad tail
-    inputs = fns.make_inputs(7, 2, seq, heads=4, kv_heads=2)
+    inputs = attention_inputs(7, 2, seq, heads=4, kv_heads=2)
     grad_out = torch.randn(2, seq, 4, 4)
-    want = fns.single_process(name, inputs, doc_ids, CP_KWARGS[name], grad_out)
-    res = rank_pool.run(fns.cp_rank, world_size, name, inputs, doc_ids, CP_KWARGS[name], grad_out)
-    for key in ("out",) + fns.QKV:
-        got = torch.cat([r[key] for r in res], 1)
-        torch.testing.assert_close(got, want[key], **FP32, msg=key)
+    fns.check_cp(rank_pool, name, world_size, inputs, doc_ids, CP_KWARGS[name], grad_out, FP32)
 
 
-@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("name", OPS)
 def test_cp_rank_holding_only_padding(rank_pool, name):
     """Rank 1 holds only pad tokens and its loss ignores them: it still joins every backward
     collective (RankPool fails on a hang or on unequal collective counts) and rank 0's
     gradients are exact."""
     doc_ids = packing(16, [3, 5])  # rank 1 (tokens 8..15) is all padding
-    inputs = fns.make_inputs(8, 1, 16, heads=2, kv_heads=1)
+    inputs = attention_inputs(8, 1, 16, heads=2, kv_heads=1)
     grad_out = torch.randn(1, 16, 2, 4) * (doc_ids != 0)[..., None, None]
-    want = fns.single_process(name, inputs, doc_ids, CP_KWARGS[name], grad_out)
-    res = rank_pool.run(fns.cp_rank, 2, name, inputs, doc_ids, CP_KWARGS[name], grad_out)
-    for key in ("out",) + fns.QKV:
-        torch.testing.assert_close(torch.cat([r[key] for r in res], 1), want[key], **FP32)
+    res = fns.check_cp(rank_pool, name, 2, inputs, doc_ids, CP_KWARGS[name], grad_out, FP32)
     assert torch.equal(res[1]["out"], torch.zeros_like(res[1]["out"]))
 
 
 @pytest.mark.parametrize("name", ["compressed"])
 def test_cp_error_is_raised_on_every_rank(rank_pool, name):
     doc_ids = packing(12, [12])
-    msgs = rank_pool.run(fns.cp_error, 2, name, fns.make_inputs(0, 1, 12), doc_ids, {})
+    msgs = rank_pool.run(fns.cp_error, 2, name, attention_inputs(0, 1, 12), doc_ids, {})
     assert all(m is not None and "local sequence length 6" in m for m in msgs)
 
 
 # ============================================================================ torch.compile
-def random_packings(n: int, batch: int, seq: int, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        rows = []
-        for _ in range(batch):
-            left, lens = seq - int(torch.randint(0, 4, (), generator=g)), []
-            while left > 0 and len(lens) < 6:
-                lens.append(int(torch.randint(1, left + 1, (), generator=g)))
-                left -= lens[-1]
-            rows.append(lens)
-        out.append(packing(seq, *rows))
-    return out
-
-
-@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("name", OPS)
 def test_compile_single_process_no_recompile(name):
     packings = random_packings(21, 2, 16)
-    inputs = fns.make_inputs(2, 2, 16, heads=2, kv_heads=1)
+    inputs = attention_inputs(2, 2, 16, heads=2, kv_heads=1)
     grad_out = torch.randn(2, 16, 2, 4)
     frames, forbidden, worst, graphs = fns.compile_packings(
         name, inputs, packings, CP_KWARGS[name], grad_out, PackedContext
@@ -286,9 +252,9 @@ def test_compile_single_process_no_recompile(name):
 
 def test_compile_cp_two_ranks(rank_pool):
     packings = random_packings(20, 1, 16, seed=1)
-    inputs = fns.make_inputs(3, 1, 16, heads=2, kv_heads=1)
+    inputs = attention_inputs(3, 1, 16, heads=2, kv_heads=1)
     grad_out = torch.randn(1, 16, 2, 4)
-    for name in fns.OPS:
+    for name in OPS:
         kw = CP_KWARGS[name]
         res = rank_pool.run(fns.cp_compile_rank, 2, name, inputs, packings, kw, grad_out)
         for frames, forbidden, worst, graphs in res:
@@ -306,9 +272,8 @@ FLEX_WARNINGS = pytest.mark.filterwarnings("ignore::UserWarning")
 def test_flex_masks_equal_dense_masks_cpu(name, kwargs):
     """The Flex mask_mod and the dense masks agree (Flex forward runs on CPU without grad)."""
     for i, pack in enumerate(["straddling_blocks", "two_rows"]):
-        seq, *rows = PACKINGS[pack]
-        doc_ids = packing(seq, *rows)
-        inputs = fns.make_inputs(i, len(rows), seq, heads=4, kv_heads=2)
+        doc_ids = packing(*PACKINGS[pack])
+        inputs = attention_inputs(i, *doc_ids.shape, heads=4, kv_heads=2)
         want = _call(name, inputs, doc_ids, {**kwargs, "backend": "dense"})
         got = _call(name, inputs, doc_ids, {**kwargs, "backend": "flex"})
         torch.testing.assert_close(got, want, **FP32)
@@ -319,7 +284,7 @@ def test_flex_masks_equal_dense_masks_cpu(name, kwargs):
 def test_flex_compiles_without_recompiles_cpu():
     import torch._dynamo.testing
 
-    inputs = fns.make_inputs(0, 2, 16)
+    inputs = attention_inputs(0, 2, 16)
     for name in ["compressed"]:  # the richest mask_mod; doc_causal traces the same helper
         torch._dynamo.reset()
         counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
@@ -333,31 +298,31 @@ def test_flex_compiles_without_recompiles_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("name", OPS)
 def test_flex_cuda_matches_dense(name, dtype):
     """On CUDA the Flex backend (forward and q/k/v grads) equals the dense backend."""
     seq = 256
     doc_ids = packing(seq, [1, 60, 3, 100, 17, 50]).cuda()
-    inputs = {n: x.cuda() for n, x in fns.make_inputs(0, 1, seq, 4, 2, 16, dtype).items()}
+    inputs = {n: x.cuda() for n, x in attention_inputs(0, 1, seq, 4, 2, 16, dtype).items()}
     grad_out = torch.randn(1, seq, 4, 16, device="cuda")
     kwargs = {"doc_causal": {}, "compressed": {"ratio": 4, "window": 8}}[name]
     want = fns.single_process(name, inputs, doc_ids, {**kwargs, "backend": "dense"}, grad_out)
     got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out)  # auto: flex on CUDA
     tol = FP32 if dtype == torch.float32 else BF16
     tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else tol  # TF32-free, reordered sums
-    for key in ("out",) + fns.QKV:
+    for key in ("out",) + QKV:
         torch.testing.assert_close(got[key].float(), want[key].float(), **tol, msg=key)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", fns.OPS)
+@pytest.mark.parametrize("name", OPS)
 def test_flex_cuda_compiled_no_recompile(name):
     import torch._dynamo.testing
 
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     fn = torch.compile(fns.call_op, backend=counter, fullgraph=True)
-    inputs = {n: x.cuda() for n, x in fns.make_inputs(0, 2, 128, 4, 2, 16).items()}
+    inputs = {n: x.cuda() for n, x in attention_inputs(0, 2, 128, 4, 2, 16).items()}
     for doc_ids in random_packings(20, 2, 128, seed=5):
         fn(name, inputs, PackedContext(doc_ids.cuda()), CP_KWARGS[name])
     assert counter.frame_count == 1

@@ -16,7 +16,6 @@ for the varlen/h0/conv checks (measured <= 4e-6).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -45,22 +44,16 @@ from fcp.ops.kda.fla import (
     reset_gate,
 )
 from tests import _fla_rank_fns as ffns
+from tests._fla_rank_fns import Block, fla_context_dict
+from tests.support.cp_jobs import cat_ranks
 from tests.support.fla_cpu_kernels import RCP_LN2
-from tests._fla_rank_fns import NAMES, doc_ids_from_lengths, make_inputs, rel_err
+from tests.support.inputs import KDA_NAMES as NAMES, kda_inputs, rel_err
+from tests.support.kda_oracles import check, out_and_grads
+from tests.support.packing import doc_ids_from_lengths
+from tests.support.python_subprocess import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
-
-
-def fla_context_dict(c) -> dict:
-    """Every field of an ``FLACPContext``, tensors as (dtype, device type, values)."""
-    out = {}
-    for f in dataclasses.fields(c):
-        value = getattr(c, f.name)
-        if isinstance(value, torch.Tensor):
-            value = (value.dtype, value.device.type, value.tolist())
-        out[f.name] = value
-    return out
 
 
 def fla_oracle(cu_cpu: torch.Tensor, world: int, rank: int, conv):
@@ -89,9 +82,7 @@ def test_import_fcp_does_not_import_fla_and_ops_are_cuda_only():
         "       c.fla_conv_varlen_fwd, c.fla_conv_varlen_bwd, g.fla_gla_fwd, g.fla_gla_bwd]\n"
         "print('fla' in sys.modules, sorted({d for op in ops for d in op._backend_fns}))"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=True)  # fmt: skip
-    assert out.stdout.strip() == "False ['cuda']"
+    assert run_python(code).strip() == "False ['cuda']"
 
 
 def test_fcp_works_without_fla_and_triton_installed():
@@ -106,9 +97,7 @@ def test_fcp_works_without_fla_and_triton_installed():
         "y = fcp.short_conv(x[:, :, 0], torch.randn(4, 3), None, ctx)\n"
         "print(tuple(o.shape), tuple(y.shape))"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=True)  # fmt: skip
-    assert out.stdout.strip() == "(1, 4, 1, 4) (1, 4, 4)"
+    assert run_python(code).strip() == "(1, 4, 1, 4) (1, 4, 4)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +153,7 @@ def test_context_with_real_group_matches_fla(rank_pool):
 # custom ops: opcheck (schemas, fake kernels, autograd registration, AOT dispatch)
 # ---------------------------------------------------------------------------------------------
 def kda_args(b=2, t=9, h=1, hv=2, dk=4, dv=3, dtype=torch.float32, seed=0):
-    xs = make_inputs(b, t, h, hv, dk, dv, seed, dtype)
+    xs = kda_inputs(b, t, h, hv, dk, dv, seed, dtype)
     return [xs[n].requires_grad_() for n in NAMES]
 
 
@@ -213,7 +202,7 @@ def test_opcheck_conv_varlen(bias, activation):
 
 def test_dispatcher_refuses_fla_backends_off_cuda():
     ctx = PackedContext(doc_ids_from_lengths([([8], 0)]))
-    xs = [make_inputs(1, 8, 1, 1, 4, 3, seed=0)[n].float() for n in NAMES]
+    xs = [kda_inputs(1, 8, 1, 1, 4, 3, seed=0)[n].float() for n in NAMES]
     for backend in ("fla", "fla_varlen"):
         with pytest.raises(ValueError, match="needs CUDA tensors"):
             kda(*xs, ctx, backend=backend)
@@ -226,20 +215,6 @@ def test_dispatcher_refuses_fla_backends_off_cuda():
 # ---------------------------------------------------------------------------------------------
 # both modes against the references (single process)
 # ---------------------------------------------------------------------------------------------
-def out_and_grads(fn, inputs: dict, grad_out):
-    xs = {n: x.clone().requires_grad_() for n, x in inputs.items()}
-    out = fn(*(xs[n] for n in NAMES))
-    grads = torch.autograd.grad(out, [xs[n] for n in NAMES], grad_out.to(out.dtype))
-    return out.detach(), dict(zip(NAMES, grads))
-
-
-def assert_close_to(fn, ref_fn, inputs, grad_out, tol=TOL):
-    out, grads = out_and_grads(fn, inputs, grad_out)
-    ref, ref_grads = out_and_grads(ref_fn, inputs, grad_out)
-    errs = {"out": rel_err(out, ref)} | {n: rel_err(grads[n], ref_grads[n]) for n in NAMES}
-    assert max(errs.values()) <= tol, errs
-
-
 PACKINGS = [
     [([1, 1, 3, 20, 5], 2), ([32], 0)],
     [([16, 16], 0), ([7], 25)],
@@ -251,10 +226,10 @@ PACKINGS = [
 def test_modes_match_reference(rows, mode):
     doc = doc_ids_from_lengths(rows)
     ctx = PackedContext(doc)
-    inputs = make_inputs(2, 32, 1, 2, 8, 4, seed=3)
+    inputs = kda_inputs(2, 32, 1, 2, 8, 4, seed=3)
     grad_out = torch.randn(2, 32, 2, 4, generator=torch.Generator().manual_seed(4))
     fn = kda_fla_static if mode == "static" else kda_fla_varlen
-    assert_close_to(lambda *xs: fn(*xs, ctx), lambda *xs: kda_reference(*xs, ctx), inputs, grad_out)
+    check(lambda *xs: fn(*xs, ctx), lambda *xs: kda_reference(*xs, ctx), inputs, grad_out, TOL)
 
 
 def test_static_reset_gate_values():
@@ -298,11 +273,10 @@ def test_conv_varlen_matches_reference():
 def test_static_cp_matches_reference(rank_pool, world, rows):
     doc = doc_ids_from_lengths(rows)
     b, t = doc.shape
-    inputs = make_inputs(b, t, 1, 2, 4, 3, seed=world)
+    inputs = kda_inputs(b, t, 1, 2, 4, 3, seed=world)
     grad_out = torch.randn(b, t, 2, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     res = rank_pool.run(ffns.static_kda_fwd_bwd, world, inputs, doc, grad_out, 32, False)
-    out = torch.cat([r[0] for r in res], 1)
-    grads = {n: torch.cat([r[1][n] for r in res], 1) for n in NAMES}
+    out, grads = cat_ranks(res, "out"), {n: cat_ranks(res, n) for n in NAMES}
     ref, ref_grads = out_and_grads(lambda *xs: kda_reference(*xs, PackedContext(doc)), inputs, grad_out)
     errs = {"out": rel_err(out, ref)} | {n: rel_err(grads[n], ref_grads[n]) for n in NAMES}
     assert max(errs.values()) <= TOL, errs
@@ -310,43 +284,17 @@ def test_static_cp_matches_reference(rank_pool, world, rows):
 
 def test_static_cp_compiles_fullgraph(rank_pool):
     doc = doc_ids_from_lengths([([3, 7, 2], 0)])
-    inputs = make_inputs(1, 12, 1, 1, 4, 3, seed=1)
+    inputs = kda_inputs(1, 12, 1, 1, 4, 3, seed=1)
     grad_out = torch.randn(1, 12, 1, 3, dtype=torch.float64)
     eager = rank_pool.run(ffns.static_kda_fwd_bwd, 2, inputs, doc, grad_out, 32, False)
     compiled = rank_pool.run(ffns.static_kda_fwd_bwd, 2, inputs, doc, grad_out, 32, True)
-    for (o_e, g_e), (o_c, g_c) in zip(eager, compiled):
-        assert torch.allclose(o_e, o_c, atol=1e-6)
-        assert all(torch.allclose(g_e[n], g_c[n], atol=1e-6) for n in NAMES)
+    for rank_e, rank_c in zip(eager, compiled):
+        assert all(torch.allclose(rank_e[key], rank_c[key], atol=1e-6) for key in rank_e)
 
 
 # ---------------------------------------------------------------------------------------------
 # compile: a small KDA + short-conv block calling the custom ops
 # ---------------------------------------------------------------------------------------------
-class Block(torch.nn.Module):
-    """conv(x) -> q, k, v; linear -> g, beta; static-mode KDA on the fcp:: ops (CPU doubles)."""
-
-    def __init__(self, d=8, h=1, hv=2, dk=4, dv=4, width=3):
-        super().__init__()
-        self.h, self.hv, self.dk, self.dv = h, hv, dk, dv
-        self.proj = torch.nn.Linear(d, 2 * h * dk + hv * dv, bias=False)
-        self.conv_w = torch.nn.Parameter(torch.randn(2 * h * dk + hv * dv, width) * 0.3)
-        self.gate = torch.nn.Linear(d, hv * dk + hv)
-        self.out = torch.nn.Linear(hv * dv, d, bias=False)
-
-    def forward(self, x, context):
-        b, t, _ = x.shape
-        qkv = short_conv(self.proj(x), self.conv_w, None, context, "silu")
-        q, k, v = qkv.split([self.h * self.dk, self.h * self.dk, self.hv * self.dv], -1)
-        q = q.reshape(b, t, self.h, self.dk)
-        k = torch.nn.functional.normalize(k.reshape(b, t, self.h, self.dk), dim=-1)
-        v = v.reshape(b, t, self.hv, self.dv)
-        gb = self.gate(x)
-        g = -torch.nn.functional.softplus(gb[..., : self.hv * self.dk]).reshape(b, t, self.hv, self.dk)
-        beta = torch.sigmoid(gb[..., self.hv * self.dk :])
-        o = kda_fla_static(q, k, v, g, beta, context, chunk_size=32)
-        return self.out(o.reshape(b, t, -1))
-
-
 def _step(model, x, context):
     model.zero_grad(set_to_none=True)
     y = model(x, context)
@@ -392,7 +340,7 @@ def test_block_compiles_fullgraph_inductor():
 def test_varlen_op_compiles_fullgraph():
     """The varlen ops also trace (metadata as graph inputs), though the mode plans on the host."""
     doc = doc_ids_from_lengths([([2, 5, 3], 2)])
-    inputs = make_inputs(1, 12, 1, 1, 4, 3, seed=2)
+    inputs = kda_inputs(1, 12, 1, 1, 4, 3, seed=2)
     ctx = build_fla_cp_context(PackedContext(doc), 0, None, None)
 
     def f(q, k, v, g, beta, cu, cu_cpu):
@@ -421,21 +369,26 @@ class _FakeGroup:
 # ---------------------------------------------------------------------------------------------
 # FLA's real Triton kernels on CPU (interpreter, subprocess)
 # ---------------------------------------------------------------------------------------------
+def interpreted_report(module: str) -> dict:
+    """The JSON report (last stdout line) of ``python -m module`` run with FLA's Triton kernels
+    interpreted on CPU (``TRITON_INTERPRET=1``, inherited by any ranks it starts)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    out = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 def test_fla_kernels_under_triton_interpreter():
     """Static and varlen modes, the CP-augmented initial state and the conv through FLA's kernels.
 
     ~80 s on 2 shared cores (FLA's token-parallel intra-chunk kernel dominates).
     """
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    out = subprocess.run([sys.executable, "-m", "tests._fla_interpret_check"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    for check, metrics in report.items():
-        tol = 2e-4 if check == "static" else 2e-5
+    for name, metrics in interpreted_report("tests._fla_interpret_check").items():
+        tol = 2e-4 if name == "static" else 2e-5
         errs = {k: v for k, v in metrics.items() if k != "seconds"}
-        assert max(errs.values()) <= tol, (check, errs)
+        assert max(errs.values()) <= tol, (name, errs)
 
 
 @pytest.mark.slow
@@ -446,10 +399,6 @@ def test_fla_cp_path_under_triton_interpreter():
     ~1 min. KDA forward and backward, conv forward (the interpreter cannot run FLA's conv
     backward-with-halo kernel). Tolerance 2e-5 (measured <= 1.5e-6).
     """
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    out = subprocess.run([sys.executable, "-m", "tests._fla_interpret_cp"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    for check in ("kda", "conv"):
-        assert max(report[check].values()) <= 2e-5, (check, report[check])
+    report = interpreted_report("tests._fla_interpret_cp")
+    for name in ("kda", "conv"):
+        assert max(report[name].values()) <= 2e-5, (name, report[name])

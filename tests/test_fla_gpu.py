@@ -33,8 +33,10 @@ from fcp.ops.conv.fla import short_conv_fla_varlen
 from fcp.ops.kda import kda
 from fcp.ops.kda.fla import fla_kda_fwd, kda_fla_static, kda_fla_varlen
 from fcp.ops.kda.reference import kda_recurrence
+from tests._fla_rank_fns import Block
+from tests.support.inputs import KDA_NAMES as NAMES, kda_inputs, rel_err
+from tests.support.packing import doc_ids_from_lengths
 from tests.support.triton_tuning import limit_from_env
-from tests._fla_rank_fns import NAMES, doc_ids_from_lengths, make_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +61,7 @@ def packed_rows(seq: int, seed: int) -> torch.Tensor:
 
 def cuda_inputs(b, t, seed):
     """fp32 inputs on the device (cast to the tested dtype by ``out_and_grads``)."""
-    return {n: x.cuda() for n, x in make_inputs(b, t, H, HV, DK, DV, seed).items()}
+    return {n: x.cuda() for n, x in kda_inputs(b, t, H, HV, DK, DV, seed).items()}
 
 
 def out_and_grads(fn, inputs: dict, dtype, grad_out):
@@ -129,32 +131,12 @@ def test_conv_varlen_matches_pytorch(dtype):
     assert max(errs) <= TOLS[dtype][0]
 
 
-class Block(torch.nn.Module):
-    def __init__(self, d=256, width=4):
-        super().__init__()
-        self.proj = torch.nn.Linear(d, 2 * H * DK + HV * DV, bias=False)
-        self.conv_w = torch.nn.Parameter(torch.randn(2 * H * DK + HV * DV, width) * 0.3)
-        self.gate = torch.nn.Linear(d, HV * DK + HV)
-        self.out = torch.nn.Linear(HV * DV, d, bias=False)
-
-    def forward(self, x, context):
-        b, t, _ = x.shape
-        qkv = short_conv(self.proj(x), self.conv_w, None, context, "silu")
-        q, k, v = qkv.split([H * DK, H * DK, HV * DV], -1)
-        q = q.reshape(b, t, H, DK)
-        k = torch.nn.functional.normalize(k.reshape(b, t, H, DK), dim=-1)
-        v = v.reshape(b, t, HV, DV)
-        gb = self.gate(x)
-        g = -torch.nn.functional.softplus(gb[..., : HV * DK]).reshape(b, t, HV, DK)
-        beta = torch.sigmoid(gb[..., HV * DK :])
-        return self.out(kda(q, k, v, g, beta, context, backend="fla").reshape(b, t, -1))
-
-
 def test_reduce_overhead_cuda_graph_replays_new_packings():
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
-    model = Block().cuda().to(torch.bfloat16)
+    model = Block(256, H, HV, DK, DV, width=4, mixer=kda, mixer_kw=[("backend", "fla")])
+    model = model.cuda().to(torch.bfloat16)
     x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16)
     torch._dynamo.reset()
     counters.clear()

@@ -13,36 +13,24 @@ import pytest
 import torch
 
 from fcp.context import PackedContext
-from fcp.layout import doc_ids_from_seq_lens
 from fcp.ops.index_attention import gather, index_attention
 from fcp.ops.index_attention.reference import index_attention_reference
-from tests import _index_rank_fns as fns
-from tests._index_rank_fns import one_thread  # noqa: F401 (autouse fixture)
+from tests import _attention_rank_fns as fns
+from tests._attention_rank_fns import one_thread  # noqa: F401 (autouse fixture)
+from tests.support.inputs import QKV, index_inputs
+from tests.support.packing import EDGE_PACKINGS, packing, random_packings
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 BF16 = dict(atol=2e-2, rtol=2e-2)
 
 
-def packing(seq: int, *rows: list[int]) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    lens = torch.tensor([r + [-1000] * (width - len(r)) for r in rows], dtype=torch.long)
-    return doc_ids_from_seq_lens(lens, seq)
-
-
 def run_reference(inputs, doc_ids, grad_out, scale=None):
-    t = {n: inputs[n].detach().double().requires_grad_() for n in fns.QKV}
+    t = {n: inputs[n].detach().double().requires_grad_() for n in QKV}
     out = index_attention_reference(t["q"], t["k"], t["v"], inputs["indices"], doc_ids, scale)
     (out * grad_out.double()).sum().backward()
-    return {"out": out.detach(), **{n: t[n].grad for n in fns.QKV}}
+    return {"out": out.detach(), **{n: t[n].grad for n in QKV}}
 
 
-PACKINGS = {
-    "one_doc": (16, [16]),
-    "pad_tail": (16, [5, 3, 6]),
-    "tiny_docs": (16, [1, 2, 1, 3, 1, 5, 1]),
-    "two_rows": (12, [7, 4], [2, 2, 2, 2, 2, 2]),
-    "all_pad_row": (8, [8], [0]),
-}
 LAYOUTS = {
     "gqa": dict(heads=4, kv_heads=2, dim=8, dv=8),
     "mla": dict(heads=2, kv_heads=2, dim=8, dv=6),  # per-head keys and values, Dv != D
@@ -51,26 +39,25 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("pack", list(PACKINGS))
+@pytest.mark.parametrize("pack", list(EDGE_PACKINGS))
 def test_matches_reference(pack, layout):
-    seq, *rows = PACKINGS[pack]
-    doc_ids = packing(seq, *rows)
-    inputs = fns.make_inputs(1, len(rows), seq, width=7, **LAYOUTS[layout])
+    doc_ids = packing(*EDGE_PACKINGS[pack])
+    inputs = index_inputs(1, *doc_ids.shape, width=7, **LAYOUTS[layout])
     grad_out = torch.randn(*inputs["q"].shape[:3], inputs["v"].shape[3])
     want = run_reference(inputs, doc_ids, grad_out, scale=0.4)
     for name in ("attn", "attn_global"):
         got = fns.single_process(name, inputs, doc_ids, {"scale": 0.4}, grad_out)
-        for key in ("out",) + fns.QKV:
+        for key in ("out",) + QKV:
             torch.testing.assert_close(got[key].double(), want[key], **FP32, msg=f"{name} {key}")
 
 
 def test_bf16():
     doc_ids = packing(16, [6, 1, 7])
-    inputs = fns.make_inputs(3, 1, 16, dtype=torch.bfloat16)
+    inputs = index_inputs(3, 1, 16, dtype=torch.bfloat16)
     grad_out = torch.randn(1, 16, 4, 6)
     want = run_reference(inputs, doc_ids, grad_out)
     got = fns.single_process("attn", inputs, doc_ids, {}, grad_out)
-    for key in ("out",) + fns.QKV:
+    for key in ("out",) + QKV:
         assert got[key].dtype == torch.bfloat16
         torch.testing.assert_close(got[key].double(), want[key], **BF16, msg=key)
 
@@ -82,7 +69,7 @@ def _call(inputs, doc_ids, **kw):
 
 def test_order_and_repeats_do_not_matter_bitwise():
     doc_ids = packing(24, [10, 14])
-    inputs = fns.make_inputs(4, 1, 24, width=5)
+    inputs = index_inputs(4, 1, 24, width=5)
     base = _call(inputs, doc_ids)
     g = torch.Generator().manual_seed(0)
     perm = torch.argsort(torch.rand(1, 24, 5, generator=g), -1)
@@ -96,27 +83,27 @@ def test_order_and_repeats_do_not_matter_bitwise():
 
 def test_empty_selection_gives_zeros_and_no_gradient():
     doc_ids = packing(12, [4, 5])  # tokens 9..11 are padding
-    inputs = fns.make_inputs(0, 1, 12)
+    inputs = index_inputs(0, 1, 12)
     inputs["indices"][:, :6] = -1  # real queries that select nothing
     inputs["indices"][:, 6, :] = 2  # another document only: dropped
-    for n in fns.QKV:
+    for n in QKV:
         inputs[n].requires_grad_()
     out = _call(inputs, doc_ids)
     empty = [0, 1, 2, 3, 4, 5, 6, 9, 10, 11]
     assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
     out[:, empty].sum().backward()
-    for n in fns.QKV:
+    for n in QKV:
         assert torch.equal(inputs[n].grad, torch.zeros_like(inputs[n].grad)), n
 
 
 def test_query_chunks_change_nothing_bitwise():
     doc_ids = packing(32, [9, 20, 3], [32])
-    inputs = fns.make_inputs(5, 2, 32, width=9)
+    inputs = index_inputs(5, 2, 32, width=9)
     grad_out = torch.randn(2, 32, 4, 6)
     whole = fns.single_process("attn", inputs, doc_ids, {}, grad_out)
     assert gather.chunk_rows(9, 4, 2, 8, 6, 32) == 32  # one chunk by default here
     chunked = fns.single_process("attn", inputs, doc_ids, {"query_chunk": 5}, grad_out)
-    for key in ("out",) + fns.QKV:
+    for key in ("out",) + QKV:
         assert torch.equal(whole[key], chunked[key]), key
 
 
@@ -124,19 +111,19 @@ def test_isolation_and_nonfinite_values_bitwise():
     """Another document's inputs (perturbed, NaN, inf) and output gradients (NaN) change no
     output or gradient outside it."""
     doc_ids = packing(24, [5, 7, 1, 6, 3])
-    inputs = fns.make_inputs(6, 1, 24, width=8)
+    inputs = index_inputs(6, 1, 24, width=8)
     inputs["indices"] = torch.randint(0, 24, (1, 24, 8), generator=torch.Generator().manual_seed(1))
     grad_out = torch.randn(1, 24, 4, 6)
     base = fns.single_process("attn", inputs, doc_ids, {}, grad_out)
     for d, value in [(2, None), (4, float("nan")), (1, float("inf"))]:
         mine = doc_ids[0] == d
         new = {n: x.clone() for n, x in inputs.items()}
-        for n in fns.QKV:
+        for n in QKV:
             new[n][:, mine] = torch.randn(new[n][:, mine].shape) if value is None else value
         g = grad_out.clone()
         g[:, mine] = float("nan")
         got = fns.single_process("attn", new, doc_ids, {}, g)
-        for key in ("out",) + fns.QKV:
+        for key in ("out",) + QKV:
             assert torch.equal(got[key][:, ~mine], base[key][:, ~mine]), (d, key)
 
 
@@ -144,7 +131,7 @@ def test_isolation_and_nonfinite_values_bitwise():
                                  "global_length", "kv_mode", "backend"])  # fmt: skip
 def test_bad_arguments(bad):
     doc_ids = packing(8, [8])
-    t = fns.make_inputs(0, 1, 8, heads=3, kv_heads=1)
+    t = index_inputs(0, 1, 8, heads=3, kv_heads=1)
     q, k, v, idx = t["q"], t["k"], t["v"], t["indices"]
     ctx = PackedContext(doc_ids)
     cases = {
@@ -168,27 +155,20 @@ def test_bad_arguments(bad):
 def test_cp_matches_single_process(rank_pool, name, world_size):
     seq = 8 * world_size
     doc_ids = packing(seq, [3, seq - 9, 2], [seq])  # documents spanning every rank; pad tail
-    inputs = fns.make_inputs(7, 2, seq, width=6)
+    inputs = index_inputs(7, 2, seq, width=6)
     gen = torch.Generator().manual_seed(2)
     inputs["indices"] = torch.randint(0, seq, (2, seq, 6), generator=gen)
     grad_out = torch.randn(2, seq, 4, 6)
-    want = fns.single_process(name, inputs, doc_ids, {}, grad_out)
-    res = rank_pool.run(fns.cp_rank, world_size, name, inputs, doc_ids, {}, grad_out)
-    for key in ("out",) + fns.QKV:
-        got = torch.cat([r[key] for r in res], 1)
-        torch.testing.assert_close(got, want[key], **FP32, msg=key)
+    fns.check_cp(rank_pool, name, world_size, inputs, doc_ids, {}, grad_out, FP32)
 
 
 def test_cp_rank_holding_only_padding(rank_pool):
     """Rank 1 holds only pad tokens: it still joins the K/V backward collective (RankPool fails
     on a hang or unequal collective counts), its outputs are zeros, rank 0's grads exact."""
     doc_ids = packing(16, [3, 5])
-    inputs = fns.make_inputs(8, 1, 16)
+    inputs = index_inputs(8, 1, 16)
     grad_out = torch.randn(1, 16, 4, 6) * (doc_ids != 0)[..., None, None]
-    want = fns.single_process("attn", inputs, doc_ids, {}, grad_out)
-    res = rank_pool.run(fns.cp_rank, 2, "attn", inputs, doc_ids, {}, grad_out)
-    for key in ("out",) + fns.QKV:
-        torch.testing.assert_close(torch.cat([r[key] for r in res], 1), want[key], **FP32)
+    res = fns.check_cp(rank_pool, "attn", 2, inputs, doc_ids, {}, grad_out, FP32)
     assert torch.equal(res[1]["out"], torch.zeros_like(res[1]["out"]))
 
 
@@ -197,30 +177,15 @@ def test_cp_bytes(rank_pool, name):
     """``kv="local"``: one all-gather of K and V (fp32 here); ``kv="global"``: none by the
     operator (the job's own all-gathers of k and v: the same bytes, the caller's choice)."""
     doc_ids = packing(24, [5, 19])
-    inputs = fns.make_inputs(1, 1, 24)  # kv_heads 2, D 8, Dv 6
+    inputs = index_inputs(1, 1, 24)  # kv_heads 2, D 8, Dv 6
     got = rank_pool.run(fns.cp_bytes_rank, 3, name, inputs, doc_ids, {})
     assert got == [2 * 8 * 2 * (8 + 6) * 4] * 3
 
 
 # ============================================================================ torch.compile
-def random_packings(n: int, batch: int, seq: int, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        rows = []
-        for _ in range(batch):
-            left, lens = seq - int(torch.randint(0, 4, (), generator=g)), []
-            while left > 0 and len(lens) < 6:
-                lens.append(int(torch.randint(1, left + 1, (), generator=g)))
-                left -= lens[-1]
-            rows.append(lens)
-        out.append(packing(seq, *rows))
-    return out
-
-
 def test_compile_single_process_no_recompile():
     packings = random_packings(6, 2, 16)
-    inputs = fns.make_inputs(2, 2, 16)
+    inputs = index_inputs(2, 2, 16)
     grad_out = torch.randn(2, 16, 4, 6)
     for name in ("attn", "glm", "qsa_attn"):
         frames, forbidden, worst, graphs = fns.compile_packings(
@@ -233,7 +198,7 @@ def test_compile_single_process_no_recompile():
 
 def test_compile_cp_two_ranks(rank_pool):
     packings = random_packings(4, 1, 16, seed=1)
-    inputs = fns.make_inputs(3, 1, 16)
+    inputs = index_inputs(3, 1, 16)
     grad_out = torch.randn(1, 16, 4, 6)
     for name in ("attn", "glm"):
         res = rank_pool.run(fns.cp_compile_rank, 2, name, inputs, packings, {}, grad_out)
@@ -250,14 +215,14 @@ def test_cuda_matches_cpu(name, dtype):
     """The gather backend on CUDA (forward, q/k/v grads) equals the same code on CPU."""
     seq = 256
     doc_ids = packing(seq, [1, 60, 3, 100, 17, 50])
-    inputs = fns.make_inputs(0, 1, seq, 4, 2, 32, 32, 24, dtype=dtype)
+    inputs = index_inputs(0, 1, seq, 4, 2, 32, 32, 24, dtype=dtype)
     grad_out = torch.randn(1, seq, 4, 32)
     kw = {"topk": 16, "kpool": 4, "budget": 16, "ratio": 4}
     want = fns.single_process(name, inputs, doc_ids, kw, grad_out)
     cuda = {n: x.cuda() for n, x in inputs.items()}
     got = fns.single_process(name, cuda, doc_ids.cuda(), kw, grad_out.cuda())
     tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else BF16
-    for key in ("out",) + fns.QKV:
+    for key in ("out",) + QKV:
         torch.testing.assert_close(got[key].cpu().float(), want[key].float(), **tol, msg=key)
 
 
@@ -268,7 +233,7 @@ def test_cuda_compiled_inductor_no_recompile():
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     fn = torch.compile(fns.call_op, backend=counter, fullgraph=True)
-    inputs = {n: x.cuda() for n, x in fns.make_inputs(0, 2, 128, 4, 2, 16, 16, 24).items()}
+    inputs = {n: x.cuda() for n, x in index_inputs(0, 2, 128, 4, 2, 16, 16, 24).items()}
     for doc_ids in random_packings(6, 2, 128, seed=5):
         ctx = PackedContext(doc_ids.cuda())
         for name in ("attn", "glm", "qsa_attn"):

@@ -1,10 +1,9 @@
 """Unit tests for fcp.ops.kpool_indexer (GLM-5.3-Flash's DSA k-pool indexer).
 
-The operator against its float64 per-query reference (exact row layout; rows whose order
-depends on a near tie in float rounding are counted and exempt), against transformers'
-``Glm5NextTextIndexer`` run on each document alone (tie rows counted and exempt), the tie rule,
-the doc_pools slot table, no gradient, argument errors, CP (pools straddling ranks, local
-lengths shorter than a pool) and torch.compile. Properties: property_tests/test_index_properties.py.
+The operator against transformers' ``Glm5NextTextIndexer`` run on each document alone (tie
+rows counted and exempt), the tie rule, the doc_pools slot table, no gradient, argument errors.
+Against its float64 reference, under CP and compiled: tests/test_indexers.py (both indexers).
+Properties: property_tests/test_index_properties.py.
 """
 
 from __future__ import annotations
@@ -16,15 +15,13 @@ from fcp.context import PackedContext
 from fcp.ops.kit.pools import pool_slots
 from fcp.ops.kpool_indexer import kpool_indexer
 from fcp.ops.kpool_indexer.reference import kpool_indexer_reference
-from tests import _index_rank_fns as fns
-from tests._index_rank_fns import one_thread  # noqa: F401 (autouse fixture)
-from tests.test_index_attention import packing, random_packings
-
-INDEX = ("index_q", "index_k", "gate_logits", "ape", "head_weights")
-
+from tests import _attention_rank_fns as fns
+from tests._attention_rank_fns import one_thread  # noqa: F401 (autouse fixture)
+from tests.support.inputs import index_inputs
+from tests.support.packing import packing
 
 def _args(inputs):
-    return [inputs[n] for n in INDEX]
+    return [inputs[n] for n in fns.KPOOL_INPUTS]
 
 
 def test_pool_slots_worked_example():
@@ -33,41 +30,11 @@ def test_pool_slots_worked_example():
     assert pool_slots(doc_ids, 4, 1).tolist() == [[3, 9, 13, -1]]
 
 
-CASES = [
-    dict(topk=8, kpool=4),
-    dict(topk=4, kpool=4),
-    dict(topk=8, kpool=4, select_tail=False),
-    dict(topk=6, kpool=2),
-    dict(topk=3, kpool=1),
-    dict(topk=9, kpool=3),
-]
-PACKINGS = {
-    "one_doc": (40, [40]),
-    "pad_tail": (40, [13, 3, 19]),
-    "tiny_docs": (24, [1, 2, 1, 3, 1, 5, 4, 6]),
-    "two_rows": (32, [17, 15], [2, 9, 21]),
-}
-
-
-@pytest.mark.parametrize("kw", CASES, ids=str)
-@pytest.mark.parametrize("pack", list(PACKINGS))
-def test_matches_reference(pack, kw):
-    seq, *rows = PACKINGS[pack]
-    doc_ids = packing(seq, *rows)
-    inputs = fns.make_inputs(3, len(rows), seq, index_heads=3, kpool=kw["kpool"])
-    got = kpool_indexer(*_args(inputs), PackedContext(doc_ids), **kw)
-    want, near, exact = kpool_indexer_reference(*_args(inputs), doc_ids, **kw)
-    assert got.shape == want.shape and got.dtype == torch.int64
-    differs = (got != want).any(-1)
-    assert not (differs & ~near).any(), (differs & ~near).nonzero().tolist()
-    assert near.float().mean() < 0.05, "too many near-tie rows for a meaningful test"
-
-
 def test_ties_go_to_the_earlier_pool():
     """Zero index keys: every score is exactly 0, so the earliest visible pools win (in
     ascending order), and the tail follows."""
     doc_ids = packing(20, [3, 17])
-    inputs = fns.make_inputs(0, 1, 20, kpool=2)
+    inputs = index_inputs(0, 1, 20, kpool=2)
     inputs["index_k"].zero_()
     got = kpool_indexer(*_args(inputs), PackedContext(doc_ids), topk=4, kpool=2)
     # doc 1 (3 tokens) has one complete pool: the tail follows one pool slot (transformers)
@@ -82,8 +49,8 @@ def test_ties_go_to_the_earlier_pool():
 
 def test_no_gradient_and_pad_rows():
     doc_ids = packing(12, [4, 5])
-    inputs = fns.make_inputs(1, 1, 12)
-    for n in INDEX:
+    inputs = index_inputs(1, 1, 12)
+    for n in fns.KPOOL_INPUTS:
         inputs[n].requires_grad_()
     got = kpool_indexer(*_args(inputs), PackedContext(doc_ids), topk=4, kpool=4)
     assert not got.requires_grad and got.dtype == torch.int64
@@ -93,7 +60,7 @@ def test_no_gradient_and_pad_rows():
 @pytest.mark.parametrize("bad", ["topk_multiple", "kpool", "index_k", "ape", "weights", "dtype"])
 def test_bad_arguments(bad):
     doc_ids = packing(8, [8])
-    t = fns.make_inputs(0, 1, 8)
+    t = index_inputs(0, 1, 8)
     args = _args(t)
     kw = dict(topk=8, kpool=4)
     if bad == "topk_multiple":
@@ -180,43 +147,10 @@ def test_matches_transformers_per_document(hf_indexer):
 
 
 # ============================================================================ CP
-@pytest.mark.parametrize("world_size,local", [(2, 10), (4, 3), (4, 8)])
-def test_cp_equals_single_process_bitwise(rank_pool, world_size, local):
-    """Pools straddling rank boundaries, a local length shorter than a pool (3 < kpool = 4)."""
-    seq = world_size * local
-    doc_ids = packing(seq, [2, seq - 5], [seq])
-    inputs = fns.make_inputs(9, 2, seq)
-    kw = dict(topk=8, kpool=4)
-    want = fns.single_process("kpool", inputs, doc_ids, kw, None)["out"]
-    res = rank_pool.run(fns.cp_rank, world_size, "kpool", inputs, doc_ids, kw, None)
-    assert torch.equal(torch.cat([r["out"] for r in res], 1), want)
-
-
-def test_cp_moves_pooled_keys_and_a_halo_only(rank_pool):
-    """Per rank: ``ceil(local / kpool)`` pooled keys from every other rank (all-gather) and the
-    ``kpool - 1`` tokens of ``(index_k, gate_logits)`` before its interval (halo): fp32 here."""
-    batch, local, di, kpool = 2, 10, 8, 4
-    doc_ids = packing(3 * local, [7, 23], [30])
-    inputs = fns.make_inputs(1, batch, 3 * local, index_dim=di)
-    got = rank_pool.run(fns.cp_bytes_rank, 3, "kpool", inputs, doc_ids, dict(topk=8, kpool=kpool))
-    pooled = 2 * batch * 3 * di * 4  # 2 other ranks x ceil(10 / 4) = 3 slots
-    halo = (kpool - 1) * batch * 2 * di * 4
-    assert got == [pooled, pooled + halo, pooled + halo]
-
-
-def test_compile_no_recompile():
-    inputs = fns.make_inputs(2, 2, 16)
-    frames, forbidden, worst, graphs = fns.compile_packings(
-        "kpool", inputs, random_packings(6, 2, 16, seed=3), dict(topk=4, kpool=4), None,
-        PackedContext,
-    )  # fmt: skip
-    assert frames == 1 and graphs >= 1 and forbidden == [] and worst == 0.0, (frames, forbidden)
-
-
 @pytest.mark.gpu
 def test_cuda_matches_cpu():
     doc_ids = packing(256, [1, 60, 3, 100, 17, 50])
-    inputs = fns.make_inputs(0, 1, 256, index_heads=4, index_dim=32)
+    inputs = index_inputs(0, 1, 256, index_heads=4, index_dim=32)
     kw = dict(topk=32, kpool=4)
     want = kpool_indexer(*_args(inputs), PackedContext(doc_ids), **kw)
     cuda = [t.cuda() for t in _args(inputs)]

@@ -24,28 +24,10 @@ from fcp.layout import (
     validate_doc_ids,
     validate_right_tail_mask,
 )
+from tests.support.packing import ref_doc_ids_row, ref_positions_row
 
 T = torch.tensor
 S = SEQ_LENS_SENTINEL
-
-
-# ----------------------------------------------------------------- references
-
-
-def ref_doc_ids_row(lengths: list[int], seq_len: int) -> list[int]:
-    row, doc = [], 0
-    for n in lengths:
-        if n > 0:
-            doc += 1
-            row += [doc] * n
-    return row + [0] * (seq_len - len(row))
-
-
-def ref_positions_row(ids: list[int]) -> list[int]:
-    out = []
-    for j, v in enumerate(ids):
-        out.append(0 if j == 0 or ids[j - 1] != v else out[-1] + 1)
-    return out
 
 
 def random_packing(gen: torch.Generator, batch: int, seq_len: int) -> torch.Tensor:

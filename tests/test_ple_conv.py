@@ -28,7 +28,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tests import _hf_rank_fns as fns
-from tests._kda_rank_fns import doc_ids_from_lengths
+from tests.support.packing import doc_ids_from_lengths
 
 WIDTH, DILATION, CHANNELS = 4, 3, 6  # NeMo's PLE: kernel 4, dilation ngram_size = 3 (halo 9)
 

@@ -1,11 +1,11 @@
 """Unit tests for fcp.ops.qsa_indexer (Qwen3.8-Flash-Next's QSA selection) and QSA's attention.
 
-The selection against its float64 per-query reference (exact layout; near-tie rows exempt and
-counted), against NeMo AutoModel's own indexer module (``Qwen3_8_FlashNextQSAIndexer``, packed
+The selection against NeMo AutoModel's own indexer module (``Qwen3_8_FlashNextQSAIndexer``, packed
 per-document path: ``select_qsa_token_ids`` per document) in fp32 and bf16 with tie rows
 counted and exempt, index attention against NeMo's ``gathered_qsa_gqa_attention`` per document
 (forward and q/k/v gradients, GQA), the per-token pieces (RMSNorm, RoPE) bitwise against
-NeMo's, the dense phase and the tie rule, CP (blocks straddling ranks) and torch.compile.
+NeMo's, the dense phase and the tie rule. Against its float64 reference, under CP (blocks
+straddling ranks) and compiled: tests/test_indexers.py (both indexers).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from fcp.ops.index_attention import index_attention
 from fcp.ops.kit.norms import rope_tables, rotate_half_rope, zero_centered_rms_norm
 from fcp.ops.qsa_indexer import qsa_indexer
 from fcp.ops.qsa_indexer.reference import qsa_indexer_reference
-from tests import _index_rank_fns as fns
-from tests._index_rank_fns import one_thread  # noqa: F401 (autouse fixture)
-from tests.test_index_attention import packing, random_packings
+from tests import _attention_rank_fns as fns
+from tests._attention_rank_fns import one_thread  # noqa: F401 (autouse fixture)
+from tests.support.inputs import QKV, index_inputs
+from tests.support.packing import packing
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
@@ -33,36 +34,11 @@ def _args(inputs, doc_ids, rotary=fns.ROTARY):
     return [inputs["index_q"], inputs["index_k"], inputs["q_norm"], inputs["k_norm"], cos, sin]
 
 
-CASES = [dict(budget=8, ratio=4), dict(budget=4, ratio=2), dict(budget=12, ratio=3),
-         dict(budget=3, ratio=1)]  # fmt: skip
-PACKINGS = {
-    "one_doc": (48, [48]),
-    "pad_tail": (48, [21, 3, 19]),
-    "tiny_docs": (24, [1, 2, 1, 3, 1, 5, 4, 6]),
-    "two_rows": (40, [27, 13], [2, 9, 29]),
-}
-
-
-@pytest.mark.parametrize("kw", CASES, ids=str)
-@pytest.mark.parametrize("pack", list(PACKINGS))
-def test_matches_reference(pack, kw):
-    seq, *rows = PACKINGS[pack]
-    doc_ids = packing(seq, *rows)
-    inputs = fns.make_inputs(4, len(rows), seq, index_heads=3)
-    args = _args(inputs, doc_ids)
-    got = qsa_indexer(*args, PackedContext(doc_ids), **kw)
-    want, near, exact = qsa_indexer_reference(*args, doc_ids, **kw)
-    assert got.shape == want.shape == (len(rows), seq, kw["budget"] + kw["ratio"] - 1)
-    differs = (got != want).any(-1)
-    assert not (differs & ~near).any(), (differs & ~near).nonzero().tolist()
-    assert near.float().mean() < 0.05
-
-
 def test_dense_phase_is_causal_and_ties_go_to_the_earlier_block():
     """Rows with t < (K+1)c - 1 hold exactly the document's tokens 0..t in order; with all
     scores 0 (zero index queries), sparse rows take the K earliest blocks, ascending."""
     doc_ids = packing(40, [5, 35])
-    inputs = fns.make_inputs(0, 1, 40)
+    inputs = index_inputs(0, 1, 40)
     inputs["index_q"].zero_()
     got = qsa_indexer(*_args(inputs, doc_ids), PackedContext(doc_ids), budget=8, ratio=4)
     for t in range(5, 5 + 11):  # document 2, positions 0..10 (first sparse position: 11)
@@ -75,7 +51,7 @@ def test_dense_phase_is_causal_and_ties_go_to_the_earlier_block():
 
 def test_bad_arguments():
     doc_ids = packing(8, [8])
-    args = _args(fns.make_inputs(0, 1, 8), doc_ids)
+    args = _args(index_inputs(0, 1, 8), doc_ids)
     ctx = PackedContext(doc_ids)
     with pytest.raises(ValueError, match="multiple"):
         qsa_indexer(*args, ctx, budget=6, ratio=4)
@@ -161,14 +137,14 @@ def test_attention_matches_nemo_per_document(nemo_qsa):
     lens = [29, 3, 40]
     seq = sum(lens) + 2
     doc_ids = packing(seq, lens)
-    inputs = fns.make_inputs(5, 1, seq, heads=6, kv_heads=2, dim=8, dv=8)
+    inputs = index_inputs(5, 1, seq, heads=6, kv_heads=2, dim=8, dv=8)
     ctx = PackedContext(doc_ids)
     ids = qsa_indexer(*_args(inputs, doc_ids), ctx, budget=8, ratio=4)
     grad_out = torch.randn(1, seq, 6, 8)
-    t = {n: inputs[n].clone().requires_grad_() for n in fns.QKV}
+    t = {n: inputs[n].clone().requires_grad_() for n in QKV}
     out = index_attention(t["q"], t["k"], t["v"], ids, ctx)
     (out * grad_out).sum().backward()
-    n = {n_: inputs[n_].clone().requires_grad_() for n_ in fns.QKV}
+    n = {n_: inputs[n_].clone().requires_grad_() for n_ in QKV}
     start, parts = 0, []
     for length in lens:
         sl = slice(start, start + length)
@@ -180,47 +156,15 @@ def test_attention_matches_nemo_per_document(nemo_qsa):
     (nemo * grad_out[:, :start]).sum().backward()
     torch.testing.assert_close(out[:, :start], nemo, **FP32)
     assert torch.equal(out[:, start:], torch.zeros_like(out[:, start:]))  # pad queries
-    for key in fns.QKV:
+    for key in QKV:
         torch.testing.assert_close(t[key].grad, n[key].grad, **FP32, msg=key)
 
 
 # ============================================================================ CP, compile, CUDA
-@pytest.mark.parametrize("world_size,local", [(2, 14), (4, 3), (4, 8)])
-def test_cp_equals_single_process_bitwise(rank_pool, world_size, local):
-    seq = world_size * local
-    doc_ids = packing(seq, [3, seq - 6], [seq])
-    inputs = fns.make_inputs(10, 2, seq)
-    kw = dict(budget=8, ratio=4)
-    want = fns.single_process("qsa", inputs, doc_ids, kw, None)["out"]
-    res = rank_pool.run(fns.cp_rank, world_size, "qsa", inputs, doc_ids, kw, None)
-    assert torch.equal(torch.cat([r["out"] for r in res], 1), want)
-
-
-def test_cp_moves_compressed_keys_and_a_halo_only(rank_pool):
-    """Per rank: ``ceil(local / ratio)`` compressed keys from every other rank and the
-    ``ratio - 1`` tokens of ``(index_k, cos, sin)`` before its interval: fp32 here."""
-    batch, local, di, ratio = 2, 10, 8, 4
-    doc_ids = packing(3 * local, [7, 23], [30])
-    inputs = fns.make_inputs(1, batch, 3 * local, index_dim=di)
-    got = rank_pool.run(fns.cp_bytes_rank, 3, "qsa", inputs, doc_ids, dict(budget=8, ratio=ratio))
-    compressed = 2 * batch * 3 * di * 4
-    halo = (ratio - 1) * batch * (di + fns.ROTARY) * 4
-    assert got == [compressed, compressed + halo, compressed + halo]
-
-
-def test_compile_no_recompile():
-    inputs = fns.make_inputs(2, 2, 16)
-    frames, forbidden, worst, graphs = fns.compile_packings(
-        "qsa", inputs, random_packings(6, 2, 16, seed=4), dict(budget=4, ratio=2), None,
-        PackedContext,
-    )  # fmt: skip
-    assert frames == 1 and graphs >= 1 and forbidden == [] and worst == 0.0, (frames, forbidden)
-
-
 @pytest.mark.gpu
 def test_cuda_matches_cpu():
     doc_ids = packing(256, [1, 60, 3, 100, 17, 50])
-    inputs = fns.make_inputs(0, 1, 256, index_heads=4, index_dim=32)
+    inputs = index_inputs(0, 1, 256, index_heads=4, index_dim=32)
     args = _args(inputs, doc_ids, rotary=16)
     kw = dict(budget=32, ratio=4)
     want = qsa_indexer(*args, PackedContext(doc_ids), **kw)

@@ -10,9 +10,6 @@ import copy
 import dataclasses
 import inspect
 import pickle
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +18,8 @@ from torch.distributed.utils import _apply_to_tensors
 from fcp.context import PackedContext
 from fcp.models.compat import ShardLayout, shard_layout_class
 from fcp.models.glm5_next import cp as glm
+from tests.support.python_subprocess import run_python
 
-ROOT = Path(__file__).resolve().parents[1]
 T = torch.tensor
 
 
@@ -95,9 +92,7 @@ def test_imports_and_works_without_nemo_and_fla():
         "    print('RuntimeError', 'fla' in str(err))\n"
         "print('nemo_automodel' in sys.modules and sys.modules['nemo_automodel'] is None)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=True)  # fmt: skip
-    assert out.stdout.split("\n")[:3] == ["fcp.models.compat True 4", "RuntimeError True", "True"]
+    assert run_python(code).split("\n")[:3] == ["fcp.models.compat True 4", "RuntimeError True", "True"]
 
 
 # ------------------------------------------------------------------ document maps: NeMo's numbering

@@ -49,6 +49,21 @@ GLM_INVALID = ("pad-tail", "rows", "seq-lens", "cu-seqlens", "non-tensor", "mask
                "seq-lens-padded-none", "dtype")  # fmt: skip
 
 
+def _position_ids(draw, batch: dict, rows: int, seq_len: int, other: str) -> None:
+    """Sets ``batch["position_ids"]`` as a sharder may be given it: absent, random ``[rows,
+    seq_len]``, one row ``[1, seq_len]`` for all, or ``other``: ``"none"`` (the key holds
+    None) or ``"mrope"`` (``[3, rows, seq_len]``, one row per rotary section)."""
+    form = draw(st.sampled_from(["absent", "full", "one-row", other]))
+    if form == "full":
+        batch["position_ids"] = torch.randint(0, seq_len, (rows, seq_len))
+    elif form == "one-row":
+        batch["position_ids"] = torch.arange(seq_len).unsqueeze(0)
+    elif form == "none":
+        batch["position_ids"] = None
+    elif form == "mrope":
+        batch["position_ids"] = torch.randint(0, seq_len, (3, rows, seq_len))
+
+
 @st.composite
 def glm_batches(draw, invalid: bool = False, max_rows: int = 3, max_len: int = 10):
     """``(case, kwargs)``: ``batch``, ``loss_mask``, ``padding_token_id``, ``shard_primary``."""
@@ -98,13 +113,7 @@ def glm_batches(draw, invalid: bool = False, max_rows: int = 3, max_len: int = 1
         batch["padding_mask"] = torch.randint(0, 2, (rows, seq_len)).bool()
     if draw(st.booleans()):
         batch["labels"] = torch.randint(-100, 50, (rows, seq_len))
-    pos = draw(st.sampled_from(["absent", "full", "one-row", "none"]))
-    if pos == "full":
-        batch["position_ids"] = torch.randint(0, seq_len, (rows, seq_len))
-    elif pos == "one-row":
-        batch["position_ids"] = torch.arange(seq_len).unsqueeze(0)
-    elif pos == "none":
-        batch["position_ids"] = None
+    _position_ids(draw, batch, rows, seq_len, "none")
     extras = draw(st.sets(st.sampled_from(["pixel_values", "max_seqlen", "qkv_format",
                                            "cu_seqlens_padded", "token_type_ids"])))  # fmt: skip
     for key in extras:
@@ -235,13 +244,7 @@ def qwen_batches(draw, invalid: bool = False, max_rows: int = 3, max_len: int = 
             loss_mask = _mask_dtype(draw, torch.randint(0, 2, (rows, seq_len)))
     else:  # NeMo's protocol: the loss mask serves as labels
         loss_mask = _mask_dtype(draw, torch.randint(0, 2, (rows, seq_len)))
-    pos = draw(st.sampled_from(["absent", "full", "one-row", "mrope"]))
-    if pos == "full":
-        batch["position_ids"] = torch.randint(0, seq_len, (rows, seq_len))
-    elif pos == "one-row":
-        batch["position_ids"] = torch.arange(seq_len).unsqueeze(0)
-    elif pos == "mrope":
-        batch["position_ids"] = torch.randint(0, seq_len, (3, rows, seq_len))
+    _position_ids(draw, batch, rows, seq_len, "mrope")
     for key in draw(st.sets(st.sampled_from(["token_type_ids", "max_seqlen", "pixel_values"]))):
         batch[key] = {"token_type_ids": torch.zeros(rows, seq_len, dtype=torch.long),
                       "max_seqlen": None, "pixel_values": torch.ones(2, 3)}[key]  # fmt: skip

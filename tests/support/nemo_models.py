@@ -128,15 +128,6 @@ def build_glm(layer_types: tuple[str, ...], seed: int = 0):
     return model
 
 
-def glm_setup_cp(model, mesh) -> None:
-    """What NeMo's ``apply_cp`` does for GLM: every block's attention gets the CP mesh."""
-    model._cp_enabled = True
-    model.model.language_model._cp_enabled = True
-    model.cp_mesh = mesh
-    for layer in model.model.language_model.layers.values():
-        layer.self_attn.setup_cp_attention(mesh)
-
-
 QWEN_TEXT = dict(
     vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
     linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -196,14 +187,17 @@ def build_qwen(layer_types: tuple[str, ...], seed: int = 0):
     return model
 
 
-def qwen_setup_cp(model, mesh) -> None:
-    """What NeMo's ``apply_cp`` does for Qwen3.8-Flash-Next (without FSDP / EP)."""
+def setup_cp(model, mesh) -> None:
+    """What NeMo's ``apply_cp`` does (without FSDP / EP) for GLM-5.3-Flash and Qwen3.8-Flash-Next:
+    the model is marked CP and every block's token mixer gets the CP mesh (softmax attention:
+    ``self_attn.setup_cp_attention``; Qwen's Gated DeltaNet: ``linear_attn._cp_mesh``)."""
     model._cp_enabled = True
     model.model.language_model._cp_enabled = True
     model.cp_mesh = mesh
     for layer in model.model.language_model.layers.values():
-        if layer.layer_type == "full_attention":
-            layer.self_attn.setup_cp_attention(mesh)
+        attn = getattr(layer, "self_attn", None)  # GLM: every block; Qwen: full attention only
+        if attn is not None:
+            attn.setup_cp_attention(mesh)
         else:
             layer.linear_attn._cp_mesh = mesh
 
@@ -316,7 +310,7 @@ def glm_job(env) -> dict[str, tuple[float, float]]:
         if exact:  # the non-CP forward of the same weights
             use_cp("glm", "fcp")
             ref = _step(model, lambda m: m(ids, attention_mask=mask), weights)
-        glm_setup_cp(model, mesh)
+        setup_cp(model, mesh)
         results = {}
         for impl in ("nemo", "fcp"):
             use_cp("glm", impl)
@@ -339,7 +333,7 @@ def qwen_single_job(env) -> dict[str, tuple[float, float]]:
     out = {}
     model = build_qwen(("linear_attention", "full_attention"))
     mesh = env.mesh()
-    qwen_setup_cp(model, mesh)
+    setup_cp(model, mesh)
     results = {}
     for impl in ("nemo", "fcp"):
         use_cp("qwen", impl)
@@ -379,7 +373,7 @@ def qwen_cp_job(env) -> dict[str, tuple[float, float]]:
         model = build_qwen(("full_attention", "full_attention"))
         use_cp("qwen", "fcp")
         ref = _step(model, lambda m: m(ids, **ref_kwargs), weights)
-        qwen_setup_cp(model, mesh)
+        setup_cp(model, mesh)
         batch = {"input_ids": ids, "labels": ids, **extra}
         results = {}
         for impl in ("nemo", "fcp"):
