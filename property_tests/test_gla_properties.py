@@ -10,7 +10,7 @@ gloo groups, 1-4 ranks).
 * No leakage: replacing every token of one document (or of the pad tail) leaves every other
   output bitwise unchanged (``torch.equal``), with and without CP.
 
-Layouts (:func:`tests.support.strategies.packing`) mix documents shorter than a chunk (often
+Layouts (:func:`tests.support.packing.length_rows`) mix documents shorter than a chunk (often
 one token), documents spanning every rank, pad tails (ranks holding only padding), GQA (heads =
 1-3 x groups) and chunks smaller and larger than a shard, so chunk and rank boundaries fall
 inside documents, on them and in the padding.
@@ -26,8 +26,8 @@ from fcp.ops.gla import gla
 from fcp.ops.gla.reference import gla_reference
 from tests import _gla_rank_fns as fns
 from tests._gla_rank_fns import NAMES, make_inputs
-from tests._kda_rank_fns import rel_err
-from tests.support.strategies import one_document, packing
+from tests.support.inputs import rel_err
+from tests.support.packing import length_rows, one_document
 
 
 @st.composite
@@ -39,7 +39,7 @@ def problem(draw, max_world: int = 4):
     heads = groups * draw(st.sampled_from([1, 2, 3]))
     dk, dv = draw(st.sampled_from([4, 8, 16])), draw(st.sampled_from([4, 8]))
     chunk = draw(st.sampled_from([4, 8, 16, 64]))
-    doc_ids = draw(packing(batch, world * local))
+    doc_ids = draw(length_rows(batch, world * local))
     seed = draw(st.integers(0, 2**16))
     return world, chunk, doc_ids, make_inputs(batch, world * local, groups, heads, dk, dv, seed)
 

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tests import _precision_rank_fns as fns
-from tests._kda_rank_fns import doc_ids_from_lengths
+from tests.support.packing import doc_ids_from_lengths
 
 LOCAL = 16
 

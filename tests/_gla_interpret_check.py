@@ -30,7 +30,8 @@ import torch  # noqa: E402
 from fcp.context import PackedContext  # noqa: E402
 from fcp.ops.gla.fla import fla_gla_fwd, gla_fla_static  # noqa: E402
 from fcp.ops.gla.reference import gla_recurrence, gla_reference  # noqa: E402
-from tests._kda_rank_fns import doc_ids_from_lengths, rel_err  # noqa: E402
+from tests.support.inputs import rel_err  # noqa: E402
+from tests.support.packing import doc_ids_from_lengths  # noqa: E402
 
 NAMES = ("q", "k", "v", "a")
 

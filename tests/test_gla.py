@@ -30,8 +30,10 @@ from fcp.ops.gla import gla
 from fcp.ops.gla.reference import gla_reference
 from tests import _gla_rank_fns as fns
 from tests._gla_rank_fns import NAMES, make_inputs
-from tests._kda_rank_fns import doc_ids_from_lengths, rel_err
-from tests.support.compile_checks import HOST_SYNC_OPS, random_packings, recording_backend
+from tests.support.inputs import rel_err
+from tests.support.packing import doc_ids_from_lengths
+from tests.support.cp_jobs import GraphRecorder
+from tests.support.packing import random_doc_ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,10 +279,10 @@ def test_input_validation():
 # ---------------------------------------------------------------------------------------------
 def test_compiled_equals_eager_once_across_packings_without_host_sync():
     torch._dynamo.reset()
-    backend, seen = recording_backend()
-    compiled = torch.compile(gla, fullgraph=True, backend=backend)
+    recorder = GraphRecorder()
+    compiled = torch.compile(gla, fullgraph=True, backend=recorder)
     gen = torch.Generator().manual_seed(8)
-    for i, doc_ids in enumerate(random_packings(5, batch=2, seq=40, seed=8)):
+    for i, doc_ids in enumerate([random_doc_ids(gen, 2, 40) for _ in range(5)]):
         ctx = PackedContext(doc_ids)
         inputs = make_inputs(2, 40, 1, 2, 8, 4, seed=100 + i)
         grad_out = torch.randn(2, 40, 2, 4, generator=gen)
@@ -289,9 +291,9 @@ def test_compiled_equals_eager_once_across_packings_without_host_sync():
         out_e, grads_e = out_and_grads(ours(ctx, chunk_size=16), inputs, grad_out)
         assert rel_err(out_c, out_e) <= 1e-6
         assert all(rel_err(grads_c[n], grads_e[n]) <= 1e-6 for n in NAMES)
-    assert seen["frames"] == 1, seen["frames"]
-    assert not HOST_SYNC_OPS & seen["ops"], HOST_SYNC_OPS & seen["ops"]
-    assert "aten.bmm.default" in seen["ops"]  # the recorder saw the real aten graphs
+    assert recorder.frames == 1, recorder.frames
+    assert not recorder.host_syncs(), recorder.host_syncs()
+    assert "aten.bmm.default" in recorder.ops  # the recorder saw the real aten graphs
 
 
 def test_compiled_cp_two_ranks_equals_eager(rank_pool):

@@ -30,7 +30,8 @@ from fcp.ops.gla.fla import RESET_LOG_DECAY, fla_gla_bwd, fla_gla_fwd, gla_fla_s
 from fcp.ops.gla.reference import gla_reference
 from tests import _gla_rank_fns as fns
 from tests._gla_rank_fns import NAMES, make_inputs
-from tests._kda_rank_fns import doc_ids_from_lengths, rel_err
+from tests.support.inputs import rel_err
+from tests.support.packing import doc_ids_from_lengths
 from tests.support.fla_cpu_kernels import RCP_LN2
 
 ROOT = Path(__file__).resolve().parents[1]

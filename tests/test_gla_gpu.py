@@ -28,7 +28,8 @@ from fcp.ops.gla import gla
 from fcp.ops.gla.reference import gla_reference
 from tests.support.triton_tuning import limit_from_env
 from tests._gla_rank_fns import NAMES, make_inputs
-from tests._kda_rank_fns import doc_ids_from_lengths, rel_err
+from tests.support.inputs import rel_err
+from tests.support.packing import doc_ids_from_lengths
 
 pytestmark = pytest.mark.gpu
 

@@ -134,3 +134,13 @@ def cut_rows(draw, batch: int, seq: int, max_cuts: int) -> torch.Tensor:
         bounds = [0, *sorted(c for c in cuts if c < real), real]
         rows.append([b - a for a, b in zip(bounds, bounds[1:]) if b > a])
     return packing(seq, *rows)
+
+
+def one_document(data, doc_ids: torch.Tensor) -> torch.Tensor:
+    """bool ``[batch, seq]``: every token of one drawn run (a document or the pad tail) of one
+    drawn row (``data``: Hypothesis' ``st.data()``)."""
+    row = data.draw(st.integers(0, doc_ids.shape[0] - 1))
+    victim = data.draw(st.sampled_from(sorted(set(doc_ids[row].tolist()))))
+    inside = torch.zeros_like(doc_ids, dtype=torch.bool)
+    inside[row] = doc_ids[row] == victim
+    return inside
