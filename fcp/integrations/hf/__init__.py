@@ -72,17 +72,9 @@ from __future__ import annotations
 from torch import nn
 
 from fcp.integrations.hf.core import ContextScope, FcpMixer, replace
-from fcp.integrations.hf.mixers import (
-    GatedDeltaNetMixer,
-    GatedShortConvMixer,
-    GqaMixer,
-    IndexedMlaMixer,
-    KdaMixer,
-    MlaMixer,
-    SsdMixer,
-    PleMixer,
-    QsaGqaMixer,
-)
+from fcp.integrations.hf.mixers import GatedDeltaNetMixer, GatedShortConvMixer, GqaMixer
+from fcp.integrations.hf.mixers import IndexedMlaMixer, KdaMixer, MlaMixer, PleMixer, QsaGqaMixer
+from fcp.integrations.hf.mixers import SsdMixer
 from fcp.integrations.hf.models import ADAPTERS
 from fcp.integrations.hf.qwen4_exp import ADAPTERS as QWEN4_EXP_ADAPTERS
 

@@ -44,15 +44,8 @@ import torch.nn.functional as F
 
 from fcp.context import PackedContext
 from fcp.integrations.hf.core import FcpMixer
-from fcp.integrations.hf.mixers import (
-    GatedDeltaNetMixer,
-    GatedShortConvMixer,
-    GqaMixer,
-    IndexedMlaMixer,
-    KdaMixer,
-    MlaMixer,
-    SsdMixer,
-)
+from fcp.integrations.hf.mixers import GatedDeltaNetMixer, GatedShortConvMixer, GqaMixer
+from fcp.integrations.hf.mixers import IndexedMlaMixer, KdaMixer, MlaMixer, SsdMixer
 from fcp.integrations.hf.rope import (
     apply_rope,
     apply_rope_interleaved,

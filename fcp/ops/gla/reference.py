@@ -20,8 +20,8 @@ import torch
 from fcp.context import PackedContext
 from fcp.layout import document_starts
 from fcp.ops.gla import check_gla_inputs
-from fcp.ops.kit.common import compute_dtype, default_scale
-from fcp.ops.kit.loops import reference_doc_ids
+from fcp.ops.kit.common import default_scale
+from fcp.ops.kit.loops import linear_recurrence, reference_doc_ids
 
 __all__ = ["gla_reference", "gla_recurrence"]
 
@@ -29,36 +29,13 @@ __all__ = ["gla_reference", "gla_recurrence"]
 def gla_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                    scale: float, starts: torch.Tensor | None = None,
                    initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token recurrence on ``[B, T, ...]`` tensors: ``(o, final_state)``.
+    """``(o [B, T, H, V], final state [B, H, K, V])`` of ``S = exp(a_t) S + k_t v_t^T`` from
+    ``q, k [B, T, G, K]``, ``v [B, T, H, V]``, ``a [B, T, H]``; resets at ``starts``, an optional
+    ``initial_state``, the compute dtype: :func:`~fcp.ops.kit.loops.linear_recurrence`."""
+    def step(state, k_t, v_t, a_t):
+        return state * a_t[..., None, None].exp() + k_t[..., :, None] * v_t[..., None, :]
 
-    Args:
-        q, k: ``[B, T, G, K]``; v: ``[B, T, H, V]``; a: ``[B, T, H]`` (natural-log decay).
-        scale: query scale.
-        starts: optional bool ``[B, T]``: the state is zeroed before these tokens (exact resets).
-        initial_state: optional ``[B, H, K, V]`` state before the first token.
-
-    Returns:
-        ``o`` ``[B, T, H, V]`` and the final state ``[B, H, K, V]``, both in the compute dtype
-        (fp32, fp64 for fp64 inputs). Differentiable by autograd.
-    """
-    rep = v.shape[2] // q.shape[2]
-    dt = compute_dtype(q, k, v, a)
-    q = q.to(dt).repeat_interleave(rep, dim=2) * scale
-    k = k.to(dt).repeat_interleave(rep, dim=2)
-    v, a = v.to(dt), a.to(dt)
-    if initial_state is None:
-        state = q.new_zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3])
-    else:
-        state = initial_state.to(dt)
-    out = []
-    for t in range(q.shape[1]):
-        if starts is not None:
-            # where (not a multiply) so a reset is exact whatever the previous state holds
-            state = torch.where(starts[:, t, None, None, None], 0.0, state)
-        state = state * a[:, t, :, None, None].exp() + k[:, t, :, :, None] * v[:, t, :, None, :]
-        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
-    o = torch.stack(out, 1) if out else v.new_zeros(v.shape)
-    return o, state
+    return linear_recurrence(q, k, v, (a,), scale, step, starts, initial_state)
 
 
 def gla_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,

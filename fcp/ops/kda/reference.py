@@ -22,8 +22,8 @@ import torch
 from fcp.context import PackedContext
 from fcp.layout import document_starts
 from fcp.ops.kda import check_kda_inputs
-from fcp.ops.kit.common import compute_dtype, default_scale
-from fcp.ops.kit.loops import reference_doc_ids
+from fcp.ops.kit.common import default_scale
+from fcp.ops.kit.loops import linear_recurrence, reference_doc_ids
 
 __all__ = ["kda_reference", "kda_recurrence"]
 
@@ -31,43 +31,19 @@ __all__ = ["kda_reference", "kda_recurrence"]
 def kda_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor, scale: float, starts: torch.Tensor | None = None,
                    initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token recurrence on ``[B, T, ...]`` tensors: ``(o, final_state)``.
-
-    Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]`` or ``[B, T, HV]``
-            (one gate per head); beta: ``[B, T, HV]``.
-        scale: query scale.
-        starts: optional bool ``[B, T]``: the state is zeroed before these tokens (exact resets).
-        initial_state: optional ``[B, HV, K, V]`` state before the first token.
-
-    Returns:
-        ``o`` ``[B, T, HV, V]`` and the final state ``[B, HV, K, V]``, both in the compute dtype
-        (fp32, fp64 for fp64 inputs). Differentiable by autograd.
-    """
-    hv = v.shape[2]
-    rep = hv // q.shape[2]
-    dt = compute_dtype(q, k, v, g, beta)
-    q = q.to(dt).repeat_interleave(rep, dim=2) * scale
-    k = k.to(dt).repeat_interleave(rep, dim=2)
-    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
+    """``(o [B, T, HV, V], final state [B, HV, K, V])`` of the module docstring's recurrence from
+    ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]`` or ``[B, T, HV]`` (one gate per
+    head), ``beta [B, T, HV]``; resets at ``starts``, an optional ``initial_state``, the compute
+    dtype: :func:`~fcp.ops.kit.loops.linear_recurrence`."""
     if g.dim() == 3:  # one gate per head: broadcast over the key dimension
         g = g[..., None]
-    if initial_state is None:
-        state = q.new_zeros(q.shape[0], hv, q.shape[3], v.shape[3])
-    else:
-        state = initial_state.to(dt)
-    out = []
-    for t in range(q.shape[1]):
-        if starts is not None:
-            # where (not a multiply) so a reset is exact whatever the previous state holds
-            state = torch.where(starts[:, t, None, None, None], 0.0, state)
-        state = state * g[:, t, :, :, None].exp()
-        k_t = k[:, t]
-        resid = v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, state)
-        state = state + beta[:, t, :, None, None] * k_t[..., None] * resid[..., None, :]
-        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
-    o = torch.stack(out, 1) if out else v.new_zeros(v.shape)
-    return o, state
+
+    def step(state, k_t, v_t, g_t, beta_t):
+        state = state * g_t[..., None].exp()
+        resid = v_t - torch.einsum("bhk,bhkv->bhv", k_t, state)
+        return state + beta_t[..., None, None] * k_t[..., None] * resid[..., None, :]
+
+    return linear_recurrence(q, k, v, (g, beta), scale, step, starts, initial_state)
 
 
 def kda_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

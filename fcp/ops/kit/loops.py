@@ -14,8 +14,9 @@ import torch
 
 from fcp.context import PackedContext
 from fcp.layout import PAD_DOC_ID
+from fcp.ops.kit.common import compute_dtype
 
-__all__ = ["prepare", "softmax_row", "attend_keys", "empty_row", "per_query", "real_queries",
+__all__ = ["linear_recurrence", "prepare", "softmax_row", "attend_keys", "empty_row", "per_query", "real_queries",
            "reference_doc_ids"]  # fmt: skip
 
 
@@ -76,3 +77,34 @@ def attend_keys(qt, k, v, positions, scale):
 def empty_row(qt, v):
     """Zeros ``[H, Dv]`` still attached to ``qt`` and ``v`` (autograd always has a graph)."""
     return v[0] * 0.0 + qt.sum() * 0.0
+
+
+def linear_recurrence(q, k, v, extras, scale: float, step, starts=None, initial_state=None):
+    """The per-token loop of a linear recurrence with a ``[K, V]`` state per value head, shared
+    by the recurrent references (:mod:`fcp.ops.kda.reference`, :mod:`fcp.ops.gla.reference`).
+
+    ``q, k [B, T, H, K]`` (repeated to the ``HV`` value heads of ``v [B, T, HV, V]``, as
+    ``repeat_interleave``), ``extras``: per-token tensors ``[B, T, HV, ...]``; all are taken in
+    the compute dtype (fp32, fp64 for fp64). Per token: the state is zeroed where ``starts``
+    (bool ``[B, T]``; ``torch.where``, so a reset is exact whatever the state holds), then
+    ``state = step(state, k_t, v_t, *extras_t)``, then ``o_t = scale * q_t . state``.
+    Returns ``(o [B, T, HV, V], final state [B, HV, K, V])``, differentiable by autograd.
+    """
+    hv = v.shape[2]
+    rep = hv // q.shape[2]
+    dt = compute_dtype(q, k, v, *extras)
+    q = q.to(dt).repeat_interleave(rep, dim=2) * scale
+    k = k.to(dt).repeat_interleave(rep, dim=2)
+    v, extras = v.to(dt), [x.to(dt) for x in extras]
+    if initial_state is None:
+        state = q.new_zeros(q.shape[0], hv, q.shape[3], v.shape[3])
+    else:
+        state = initial_state.to(dt)
+    out = []
+    for t in range(q.shape[1]):
+        if starts is not None:
+            state = torch.where(starts[:, t, None, None, None], 0.0, state)
+        state = step(state, k[:, t], v[:, t], *(x[:, t] for x in extras))
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    o = torch.stack(out, 1) if out else v.new_zeros(v.shape)
+    return o, state
