@@ -1,0 +1,127 @@
+"""The README's Python blocks run, each with the names its prose says exist.
+
+Every ```python block of README.md is found by the section it stands in; a new block without a
+runner here fails :func:`test_every_python_block_has_a_runner`, so the README cannot grow an
+example that does not run.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+import fcp
+from tests import _readme_rank_fns as fns
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks() -> dict[str, str]:
+    """``{section heading: code}`` of the README's python blocks (one per section)."""
+    text = README.read_text()
+    blocks = {}
+    for m in re.finditer(r"```python\n(.*?)```", text, flags=re.S):
+        heading = re.findall(r"^## (.*)$", text[: m.start()], flags=re.M)[-1]
+        assert heading not in blocks, f"two python blocks under '## {heading}'"
+        blocks[heading] = m.group(1)
+    return blocks
+
+
+def small_batch() -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(1, 100, (1, 14), generator=gen),
+            "labels": torch.randint(1, 100, (1, 14), generator=gen),
+            "cu_seqlens": torch.tensor([0, 5, 12])}  # fmt: skip
+
+
+def run(code: str, **names) -> dict:
+    scope = dict(names)
+    exec(compile(code, "README.md", "exec"), scope)
+    return scope
+
+
+def test_every_python_block_has_a_runner():
+    assert set(python_blocks()) == set(RUNNERS), sorted(python_blocks())
+
+
+def run_shape_of_it(code):
+    gen = torch.Generator().manual_seed(1)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    L = 16  # 14 tokens padded to a multiple of pad_multiple=4
+    names = dict(
+        cp_mesh=None, batch=small_batch(), x=r(1, L, 6), conv_weight=r(6, 4), conv_bias=r(6),
+        q=r(1, L, 2, 8), k=torch.nn.functional.normalize(r(1, L, 2, 8), dim=-1), v=r(1, L, 2, 8),
+        g=-torch.rand(1, L, 2, 8, generator=gen), beta=torch.rand(1, L, 2, generator=gen),
+        C=r(1, L, 1, 8), B=r(1, L, 1, 8), xh=r(1, L, 2, 6), dt=torch.rand(1, L, 2, generator=gen),
+        A=-torch.rand(2, generator=gen), iq=r(1, L, 2, 8), ik=r(1, L, 8), gate=r(1, L, 8),
+        ape=r(4, 8), w=r(1, L, 2), transition=r(1, 2, 8, 8), state=r(1, 2, 8, 8),
+    )
+    out = run(code, **names)
+    ctx = out["ctx"]
+    assert isinstance(ctx, fcp.PackedContext) and ctx.local_seq_len == L
+    assert out["local"]["labels"][0, 12:].eq(-100).all()  # the pad tail never trains
+    assert out["h"].shape == (1, L, 6) and out["o"].shape == (1, L, 2, 8)
+    assert out["y"].shape == (1, L, 2, 6)
+    assert out["ids"].shape == (1, L, 2048 + 3) and out["ids"].dtype == torch.int64
+    assert out["a"].shape == (1, L, 2, 8) and torch.isfinite(out["a"]).all()
+    assert torch.equal(out["kv"], names["k"])  # one process: the gather is the identity
+    assert out["halo"].shape == (1, 3, 6) and not out["halo"].any()
+    assert out["s_in"].dtype == torch.float32 and not out["s_in"].any()
+
+
+def run_transformers(code):
+    from fcp.integrations.hf import SUPPORTED
+    from tests.support.hf_reference import QWEN3_NEXT_TINY, build
+
+    model = build("qwen3_next", QWEN3_NEXT_TINY)
+    out = run(code, fcp=fcp, model=model, cp_mesh=None,
+              batch={"input_ids": small_batch()["input_ids"], "seq_lens": torch.tensor([[5, 7]])})
+    assert out["model"] is model
+    assert {type(m).__mro__[1] for m in model.modules()} & set(SUPPORTED.values())
+    assert out["out"].last_hidden_state.shape == (1, 14, QWEN3_NEXT_TINY["hidden_size"])
+
+
+def run_nemo(code):
+    out = run(code)
+    import fcp.models.qwen3_8_flash_next.cp as qwen
+
+    assert out["cp"] is qwen  # the last import wins, as in the README
+
+
+RUNNERS = {
+    "The shape of it": run_shape_of_it,
+    "transformers models": run_transformers,
+    "Coming from NeMo AutoModel": run_nemo,
+    "Training on a data x context mesh": None,  # on 4 gloo ranks: the test below
+}
+
+
+def test_shape_of_it():
+    run_shape_of_it(python_blocks()["The shape of it"])
+
+
+def test_transformers_models():
+    run_transformers(python_blocks()["transformers models"])
+
+
+def test_coming_from_nemo():
+    run_nemo(python_blocks()["Coming from NeMo AutoModel"])
+
+
+def test_training_on_a_data_x_context_mesh(rank_pool):
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 200, (4, 24), generator=gen)
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1),
+             "seq_lens": torch.tensor([[9, 11], [5, -1000], [24, -1000], [3, 12]])}
+    results = rank_pool.run(fns.training_block, 4, python_blocks()["Training on a data x context mesh"],
+                            batch, timeout=120)  # fmt: skip
+    values, tokens, frozen = zip(*results)
+    assert len(set(values)) == 1 and values[0] > 0  # the global mean, the same on every rank
+    assert tokens[0] == 9 + 11 + 5 + 24 + 3 + 12  # real tokens only: padding never trains
+    # AdamW moved every parameter but the DSA indexer's (no loss trains it: no gradient)
+    assert all(names == frozen[0] and all(n.split(".")[3].startswith(("index_", "pool_")) for n in names) for names in frozen)
