@@ -96,7 +96,8 @@ def call_op(name: str, t: dict, ctx: PackedContext, kw: dict) -> torch.Tensor:
     if name in ("kpool", "glm"):
         idx = kpool_indexer(t["index_q"], t["index_k"], t["gate_logits"], t["ape"],
                             t["head_weights"], ctx, topk=kw.get("topk", 8),
-                            kpool=kw.get("kpool", 4), select_tail=kw.get("select_tail", True))
+                            kpool=kw.get("kpool", 4), select_tail=kw.get("select_tail", True),
+                            query_chunk=kw.get("query_chunk"))
         if name == "kpool":
             return idx
         q = t["q"]  # MLA layout: per-head keys (kv_heads == heads), gathered by the caller
@@ -107,7 +108,8 @@ def call_op(name: str, t: dict, ctx: PackedContext, kw: dict) -> torch.Tensor:
     if name in ("qsa", "qsa_attn"):
         cos, sin = _rope(ctx, t["index_q"].dtype)
         idx = qsa_indexer(t["index_q"], t["index_k"], t["q_norm"], t["k_norm"], cos, sin, ctx,
-                          budget=kw.get("budget", 8), ratio=kw.get("ratio", 4))  # fmt: skip
+                          budget=kw.get("budget", 8), ratio=kw.get("ratio", 4),
+                          query_chunk=kw.get("query_chunk"))  # fmt: skip
         if name == "qsa":
             return idx
         return index_attention(t["q"], t["k"], t["v"], idx, ctx, **attn_kw)

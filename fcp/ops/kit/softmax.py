@@ -281,10 +281,9 @@ def banded_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, kvh: torch.Ten
 @banded_attention_bwd.register_fake
 def _(grad_out, q, kvh, key_doc, key_lo, doc_q, win_k, win_v, win_mask, out, lse, q_start, band,
       stride, scale, dk, chunk):  # fmt: skip
-    empty = q.new_empty(0)
     return (q.new_empty(q.shape), kvh.new_empty(kvh.shape),
-            empty if win_k is None else win_k.new_empty(win_k.shape),
-            empty if win_v is None else win_v.new_empty(win_v.shape))  # fmt: skip
+            q.new_empty(0) if win_k is None else win_k.new_empty(win_k.shape),
+            q.new_empty(0) if win_v is None else win_v.new_empty(win_v.shape))  # fmt: skip
 
 
 def _setup(ctx, inputs, output):
