@@ -101,6 +101,7 @@ def main(argv=None) -> Path:
         bench_index_attention,
         bench_isolation,
         bench_kda_scan,
+        bench_long_context,
         bench_scaling,
     )
 
@@ -146,6 +147,13 @@ def main(argv=None) -> Path:
     glm_rows, text = _capture(bench_glm5_cp.main, ["--lengths", *(["1024"] if q else
                                                                 ["1024", "4096"])])  # fmt: skip
     sections.append(("transformers' GLM-5.3-Flash on fcp: CP 2 vs 1 rank, bytes per DSA layer",
+                     text))
+    print("long rows (GLM-5.3-Flash and Qwen3-Next, 1 and 2 ranks) ...", flush=True)
+    long_args = (["--lengths", "2048", "8192", "--layouts", "bounded", "--cp-length", "0",
+                  "--indexer-lengths", "8192", "--repeats", "2"] if q else
+                 ["--full-lengths", "2048", "8192", "32768"])  # fmt: skip
+    long_res, text = _capture(bench_long_context.main, long_args)
+    sections.append(("Long rows: cost per token and peak memory per rank against the row length",
                      text))
     print("layout ...", flush=True)
     sections.append(("Layout and sharding at 1M tokens / 100k documents",
@@ -197,6 +205,8 @@ def main(argv=None) -> Path:
         else:
             head.append(f"| demo GLM-5.3-Flash {r['tokens']} tokens, CP 2 vs 1 rank: speed-up / "
                         f"saved-activation ratio | {r['speedup']:.2f}x / {r['saved_ratio']:.2f}x |")
+    for t in long_res["targets"]:
+        head.append(f"| {t['measure']} (target {t['target']}) | {t['value']:.2f} |")
     r = max(gdn_rows, key=lambda r: r["seq"])
     head.append(f"| GDN scalar gate vs gate broadcast to K ({r['seq']} tokens, K=V=128): time / "
                 f"peak memory / saved activations, broadcast over scalar | {r['time_ratio']:.2f}x "
