@@ -152,23 +152,21 @@ def test_compiled_operators_recompile_only_for_a_new_band(compiles):
 def test_custom_ops_pass_opcheck():
     g = torch.Generator().manual_seed(0)
     doc_ids = packing(70, [30, 36])
-    b, hkv, nkb, e, dk = 1, 1, 2, 6, 4
-    q = torch.randn(b, 128, 2, dk, generator=g)
+    b, hkv, nkb, e, dk, n = 1, 1, 2, 6, 4, 2 * softmax.BLOCK
+    q = torch.randn(b, n, 2, dk, generator=g, requires_grad=True)
     kvh = torch.randn(b, hkv, nkb, softmax.BLOCK, e, generator=g, requires_grad=True)
-    key_doc = torch.nn.functional.pad(doc_ids, (0, 58), value=-1).view(b, nkb, softmax.BLOCK)
+    doc_q = torch.nn.functional.pad(doc_ids, (0, n - 70), value=-1)
+    key_doc = doc_q.view(b, nkb, softmax.BLOCK)
     key_lo = torch.arange(nkb * softmax.BLOCK).view(nkb, softmax.BLOCK)
-    doc_q = torch.nn.functional.pad(doc_ids, (0, 58), value=-1)
-    q.requires_grad_()
-    wk = torch.randn(b, 128, hkv, 3, dk, generator=g, requires_grad=True)
-    wv = torch.randn(b, 128, hkv, 3, e - dk, generator=g, requires_grad=True)
-    wm = torch.rand(b, 128, 3, generator=g) > 0.3
-    for win in ((None, None, None), (wk, wv, wm)):
+    wkv = torch.randn(b, n, hkv, 3, e, generator=g, requires_grad=True)
+    wm = torch.rand(b, n, 3, generator=g) > 0.3
+    for win in ((None, None), (wkv, wm)):
         args = (q, kvh, key_doc, key_lo, doc_q, *win, 0, 40, 1, 0.5, dk, 1)
         torch.library.opcheck(softmax.banded_attention_fwd, args)
         out, lse = (t.detach() for t in softmax.banded_attention_fwd(*args))
         plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         torch.library.opcheck(softmax.banded_attention_bwd,  # no double backward: no grads
-                              (torch.randn_like(out), *plain[:8], out, lse, *plain[8:]))
+                              (torch.randn_like(out), *plain[:7], out, lse, *plain[7:]))
     plan = pools.plan_pools(PackedContext(doc_ids), 4)
     keys = torch.randn(1, plan.slots.shape[1], dk, generator=g)
     torch.library.opcheck(pools.pool_top, (torch.randn(1, 70, 2, dk, generator=g), keys,

@@ -26,9 +26,8 @@ def compressed_dense(q, k, v, context: PackedContext, ratio: int, window: int, s
     keys = compressed_keys(k, v, context, ratio, window)
     win = keys.ext.unfold(1, window, 1).transpose(-1, -2)  # [b, local, hkv, window, dk + dv]
     mask_w = same_doc(context.local_doc_ids, keys.ext_doc.unfold(1, window, 1))  # [b, local, W]
-    out = banded_attention(q, keys.blocks[..., :dk], keys.blocks[..., dk:], keys.block_doc,
-                           (keys.block_index + 1) * ratio, context.local_doc_ids,
-                           context.seq_start, context.key_band, scale, stride=ratio,
-                           window=Window(win[..., :dk], win[..., dk:], mask_w),
+    out = banded_attention(q, keys.blocks, dk, keys.block_doc, (keys.block_index + 1) * ratio,
+                           context.local_doc_ids, context.seq_start, context.key_band, scale,
+                           stride=ratio, window=Window(win, mask_w),
                            chunk=query_chunk)  # fmt: skip
     return with_anchors(out, context, keys.gathered, keys.halo)

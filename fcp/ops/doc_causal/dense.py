@@ -26,7 +26,7 @@ def doc_causal_dense(q, k, v, context: PackedContext, scale: float,
     dk, end = k.shape[-1], context.seq_end
     kv = all_gather_sequence(torch.cat([k, v], -1), context)
     keys = kv[:, :end]  # keys after this rank's queries are never visible
-    out = banded_attention(q, keys[..., :dk], keys[..., dk:], context.doc_ids[:, :end],
+    out = banded_attention(q, keys, dk, context.doc_ids[:, :end],
                            torch.arange(end, device=q.device), context.local_doc_ids,
                            context.seq_start, context.key_band, scale,
                            chunk=query_chunk)  # fmt: skip

@@ -50,11 +50,10 @@ CHUNK_ELEMENTS = 1 << 22
 
 
 class Window(NamedTuple):
-    """The per-query key part: ``k [b, q, hkv, W, D]``, ``v [b, q, hkv, W, Dv]``, ``mask [b, q,
+    """The per-query key part: keys then values ``kv [b, q, hkv, W, D + Dv]`` and ``mask [b, q,
     W]``."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    kv: torch.Tensor
     mask: torch.Tensor
 
 
@@ -66,19 +65,30 @@ def key_block_windows(q_start: int, n_qblocks: int, n_kblocks: int, band: int,
     for i in range(n_qblocks):
         p0 = q_start + i * BLOCK
         lo = max(0, p0 - band + 1) // stride // BLOCK
-        hi = min(n_kblocks - 1, (p0 + BLOCK - 1) // stride // BLOCK)
-        out.append((lo, hi))
+        out.append((lo, _last_block(p0 + BLOCK - 1, n_kblocks, stride)))
     return out
 
 
+def _last_block(last_query, n_kblocks: int, stride: int):
+    """The last key block a query at ``last_query`` can see (a Python int or an int64
+    tensor, the same arithmetic)."""
+    hi = last_query // stride // BLOCK
+    return min(n_kblocks - 1, hi) if isinstance(hi, int) else hi.clamp(max=n_kblocks - 1)
+
+
 def _chunks(windows: list[tuple[int, int]], chunk: int):
-    """``(i0, i1, starts, n_w)``: query blocks ``i0:i1`` visit key blocks ``starts[i] + w`` for
-    ``w < n_w`` (each covers its own window; blocks past it are fully masked for it)."""
+    """``(i0, i1, n_w)``: query blocks ``i0:i1`` visit ``n_w`` key blocks each (:func:`_starts`),
+    covering their own windows (blocks past a window are fully masked for it)."""
     for i0 in range(0, len(windows), chunk):
         win = windows[i0 : i0 + chunk]
-        n_w = max(0, max(hi - lo + 1 for lo, hi in win))
-        starts = [max(0, hi - n_w + 1) for _, hi in win]
-        yield i0, i0 + len(win), starts, n_w
+        yield i0, i0 + len(win), max(0, max(hi - lo + 1 for lo, hi in win))
+
+
+def _starts(q_start, i0, i1, n_w, n_kblocks, stride, device) -> torch.Tensor:
+    """int64 ``[i1 - i0]``: the first key block each query block of a chunk visits (computed on
+    the device: no host-to-device copy)."""
+    last = q_start + torch.arange(i0, i1, device=device) * BLOCK + BLOCK - 1
+    return (_last_block(last, n_kblocks, stride) - n_w + 1).clamp(min=0)
 
 
 def _dtype(q: torch.Tensor, kv: torch.Tensor) -> torch.dtype:
@@ -93,57 +103,62 @@ class _Chunk(NamedTuple):
 
 
 def _chunk(q, doc_q, q_start, hkv, i0, i1, dt) -> _Chunk:
-    b, _, h, d = q.shape
-    nq, g = i1 - i0, h // hkv
     rows = slice(i0 * BLOCK, i1 * BLOCK)
-    qc = q[:, rows].to(dt).view(b, nq, BLOCK, hkv, g, d).permute(0, 3, 1, 2, 4, 5)
-    t = torch.arange(q_start + rows.start, q_start + rows.stop, device=q.device).view(nq, BLOCK)
-    return _Chunk(qc.reshape(b, hkv, nq, BLOCK * g, d), doc_q[:, rows].view(b, nq, BLOCK), t, rows)
+    t = torch.arange(q_start + rows.start, q_start + rows.stop, device=q.device)
+    c = _Chunk(None, doc_q[:, rows].view(q.shape[0], i1 - i0, BLOCK), t.view(i1 - i0, BLOCK), rows)
+    return c._replace(qc=_rows(q, c, hkv, dt))
 
 
-def _rows_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[b, nq, BLOCK, K] -> [b, 1, nq, BLOCK * groups, K]`` (each query's row per group)."""
-    b, nq, n, k = mask.shape
-    return mask[:, None, :, :, None].expand(b, 1, nq, n, groups, k).reshape(b, 1, nq, n * groups, k)
+def _rows(x: torch.Tensor, c: _Chunk, hkv: int, dt) -> torch.Tensor:
+    """``[b, Lp, H, E]`` rows of chunk ``c`` -> ``[b, hkv, nq, M, E]`` in ``dt``."""
+    b, _, h, e = x.shape
+    nq = c.t.shape[0]
+    x = x[:, c.rows].to(dt).view(b, nq, BLOCK, hkv, h // hkv, e).permute(0, 3, 1, 2, 4, 5)
+    return x.reshape(b, hkv, nq, BLOCK * (h // hkv), e)
 
 
-def _block(kvh, key_doc, key_lo, c: _Chunk, idx, dk, groups):
-    """Key blocks ``idx`` (one per query block): keys/values ``[b, hkv, nq, BLOCK, D + Dv]``
-    and the visibility ``[b, 1, nq, M, BLOCK]``."""
-    kb = kvh.index_select(2, idx)
+def _unrows(x: torch.Tensor, h: int) -> torch.Tensor:
+    """``[b, hkv, nq, M, E] -> [b, nq * BLOCK, H, E]``."""
+    b, hkv, nq, m, e = x.shape
+    x = x.view(b, hkv, nq, BLOCK, h // hkv, e).permute(0, 2, 3, 1, 4, 5)
+    return x.reshape(b, nq * BLOCK, h, e)
+
+
+def _where(mask: torch.Tensor, s: torch.Tensor, other) -> torch.Tensor:
+    """``where(mask, s, other)`` for scores ``s [b, hkv, nq, M, K]`` and a per-query ``mask [b,
+    nq, BLOCK, K]``, broadcast over kv heads and groups without materialising it."""
+    b, hkv, nq, m, k = s.shape
+    out = torch.where(mask[:, None, :, :, None, :], s.view(b, hkv, nq, BLOCK, m // BLOCK, k),
+                      other)  # fmt: skip
+    return out.view(s.shape)
+
+
+def _block(kvh, key_doc, key_lo, c: _Chunk, idx):
+    """Key blocks ``idx`` (one per query block): keys and values ``[b, hkv, nq, BLOCK, D +
+    Dv]`` and the visibility ``[b, nq, BLOCK (queries), BLOCK (keys)]``."""
     kd, kl = key_doc.index_select(1, idx), key_lo.index_select(0, idx)  # [b, nq, B], [nq, B]
     vis = (kd[:, :, None, :] == c.doc[..., None]) & (c.doc > PAD_DOC_ID)[..., None]
-    vis = vis & (kl[:, None, :] <= c.t[..., None])[None]
-    return kb, _rows_mask(vis, groups)
+    return kvh.index_select(2, idx), vis & (kl[:, None, :] <= c.t[..., None])[None]
 
 
-def _window(win_k, win_v, win_mask, c: _Chunk, groups):
-    """The per-query part of a chunk: keys ``[b, hkv, rows, W, D]``, values, mask ``[b, 1, nq,
-    M, W]``."""
-    wk = win_k[:, c.rows].transpose(1, 2)
-    wv = win_v[:, c.rows].transpose(1, 2)
-    b, nq = c.doc.shape[:2]
-    return wk, wv, _rows_mask(win_mask[:, c.rows].view(b, nq, BLOCK, -1), groups)
+def _per_query(c: _Chunk, x: torch.Tensor) -> torch.Tensor:
+    """``[b, hkv, nq, M, E] -> [b, hkv, nq * BLOCK, groups, E]``: one matmul batch per query."""
+    b, hkv, nq, m, e = x.shape
+    return x.view(b, hkv, nq * BLOCK, m // BLOCK, e)
 
 
-def _window_scores(c: _Chunk, wk, scale):
-    """``[b, hkv, nq, M, W]``: each query row against its own window keys."""
-    b, hkv, nq, m, d = c.qc.shape
-    qr = c.qc.view(b, hkv, nq * BLOCK, m // BLOCK, d)
-    return (torch.matmul(qr, wk.to(qr.dtype).transpose(-1, -2)) * scale).view(b, hkv, nq, m, -1)
-
-
-def _window_out(p, wv, shape):
-    b, hkv, nq, m, w = p.shape
-    pr = p.view(b, hkv, nq * BLOCK, m // BLOCK, w)
-    return torch.matmul(pr, wv.to(p.dtype)).view(*shape)
+def _window(win_kv, win_mask, c: _Chunk, dt):
+    """The per-query part of a chunk: keys and values ``[b, hkv, rows, W, D + Dv]``, mask ``[b,
+    nq, BLOCK, W]``."""
+    wkv = win_kv[:, c.rows].transpose(1, 2).to(dt)
+    return wkv, win_mask[:, c.rows].view(*c.doc.shape, -1)
 
 
 def _online(state, s, mask, weigh):
     """One step of the online softmax over scores ``s`` (masked where not ``mask``);
     ``weigh(p)`` is the probabilities' weighted sum of the step's values."""
     m, l, acc = state
-    s = torch.where(mask, s, float("-inf"))
+    s = _where(mask, s, float("-inf"))
     m_new = torch.maximum(m, s.amax(-1))
     safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: stay at zero
     alpha = torch.exp(m - safe)
@@ -154,118 +169,97 @@ def _online(state, s, mask, weigh):
 @torch.library.custom_op("fcp::banded_attention_fwd", mutates_args=())
 def banded_attention_fwd(q: torch.Tensor, kvh: torch.Tensor, key_doc: torch.Tensor,
                          key_lo: torch.Tensor, doc_q: torch.Tensor,
-                         win_k: Optional[torch.Tensor], win_v: Optional[torch.Tensor],
-                         win_mask: Optional[torch.Tensor], q_start: int, band: int, stride: int,
-                         scale: float, dk: int,
+                         win_kv: Optional[torch.Tensor], win_mask: Optional[torch.Tensor],
+                         q_start: int, band: int, stride: int, scale: float, dk: int,
                          chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [b, Lp, H, Dv], lse [b, Lp, H])`` in the compute dtype (empty rows: 0 and 0).
 
     ``q [b, Lp, H, D]`` with ``Lp`` a multiple of :data:`BLOCK`, ``doc_q [b, Lp]``; ``kvh [b,
     hkv, nkb, BLOCK, D + Dv]`` head-major key blocks, ``key_doc [b, nkb, BLOCK]``, ``key_lo
-    [nkb, BLOCK]``; ``chunk`` query blocks at a time."""
+    [nkb, BLOCK]``; the window ``win_kv [b, Lp, hkv, W, D + Dv]``, ``win_mask [b, Lp, W]`` or
+    ``None``; ``chunk`` query blocks at a time."""
     b, lp, h, _ = q.shape
     hkv, nkb, dv = kvh.shape[1], kvh.shape[2], kvh.shape[-1] - dk
-    g, dt = h // hkv, _dtype(q, kvh)
+    dt = _dtype(q, kvh)
     out = q.new_empty(b, lp, h, dv, dtype=dt)
     lse = q.new_empty(b, lp, h, dtype=dt)
     windows = key_block_windows(q_start, lp // BLOCK, nkb, band, stride)
-    for i0, i1, starts, n_w in _chunks(windows, chunk):
+    for i0, i1, n_w in _chunks(windows, chunk):
         c = _chunk(q, doc_q, q_start, hkv, i0, i1, dt)
-        nq, m = i1 - i0, BLOCK * g
-        state = (q.new_full((b, hkv, nq, m), float("-inf"), dtype=dt),
-                 q.new_zeros(b, hkv, nq, m, dtype=dt), q.new_zeros(b, hkv, nq, m, dv, dtype=dt))
-        if win_k is not None:  # the per-query part first, then the key blocks ascending
-            wk, wv, wmask = _window(win_k, win_v, win_mask, c, g)
-            shape = state[2].shape
-            state = _online(state, _window_scores(c, wk, scale), wmask,
-                            lambda p: _window_out(p, wv, shape))  # fmt: skip
-        base = torch.tensor(starts, device=q.device)
+        rows = c.qc.shape[:4]
+        state = (c.qc.new_full(rows, float("-inf")), c.qc.new_zeros(rows),
+                 c.qc.new_zeros(*rows, dv))  # fmt: skip
+        if win_kv is not None:  # the per-query part first, then the key blocks ascending
+            wkv, wmask = _window(win_kv, win_mask, c, dt)
+            s = torch.matmul(_per_query(c, c.qc), wkv[..., :dk].transpose(-1, -2)) * scale
+            state = _online(state, s.view(*rows, -1), wmask,
+                            lambda p: torch.matmul(_per_query(c, p), wkv[..., dk:]).view(
+                                *rows, dv))  # fmt: skip
+        base = _starts(q_start, i0, i1, n_w, nkb, stride, q.device)
         for w in range(n_w):
-            kb, vis = _block(kvh, key_doc, key_lo, c, base + w, dk, g)
-            s = torch.matmul(c.qc, kb[..., :dk].to(dt).transpose(-1, -2)) * scale
-            vv = kb[..., dk:].to(dt)
-            state = _online(state, s, vis, lambda p: torch.matmul(p, vv))
-        mm, ll, acc = state
-        o = torch.where((ll > 0)[..., None], acc / torch.where(ll > 0, ll, 1.0)[..., None], 0.0)
-        lse_c = torch.where(ll > 0, mm + torch.log(torch.where(ll > 0, ll, 1.0)), 0.0)
-        out[:, c.rows] = o.view(b, hkv, nq, BLOCK, g, dv).permute(0, 2, 3, 1, 4, 5).reshape(
-            b, nq * BLOCK, h, dv)
-        lse[:, c.rows] = lse_c.view(b, hkv, nq, BLOCK, g).permute(0, 2, 3, 1, 4).reshape(
-            b, nq * BLOCK, h)
+            kb, vis = _block(kvh, key_doc, key_lo, c, base + w)
+            kb = kb.to(dt)
+            s = torch.matmul(c.qc, kb[..., :dk].transpose(-1, -2)) * scale
+            state = _online(state, s, vis, lambda p: torch.matmul(p, kb[..., dk:]))
+        m, l, acc = state
+        live = l > 0
+        one = torch.where(live, l, 1.0)
+        out[:, c.rows] = _unrows(torch.where(live[..., None], acc / one[..., None], 0.0), h)
+        lse[:, c.rows] = _unrows(torch.where(live, m + torch.log(one), 0.0)[..., None], h)[..., 0]
     return out, lse
 
 
 @banded_attention_fwd.register_fake
-def _(q, kvh, key_doc, key_lo, doc_q, win_k, win_v, win_mask, q_start, band, stride, scale, dk,
-      chunk):  # fmt: skip
+def _(q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, q_start, band, stride, scale, dk, chunk):
     dt = _dtype(q, kvh)
     dv = kvh.shape[-1] - dk
     return q.new_empty(*q.shape[:3], dv, dtype=dt), q.new_empty(q.shape[:3], dtype=dt)
 
 
-def _rows(x: torch.Tensor, c: _Chunk, hkv: int, dt) -> torch.Tensor:
-    """``[b, Lp, H, E]`` rows of chunk ``c`` -> ``[b, hkv, nq, M, E]``."""
-    b, _, h, e = x.shape
-    nq = c.doc.shape[1]
-    x = x[:, c.rows].to(dt).view(b, nq, BLOCK, hkv, h // hkv, e).permute(0, 3, 1, 2, 4, 5)
-    return x.reshape(b, hkv, nq, BLOCK * (h // hkv), e)
-
-
-def _unrows(x: torch.Tensor, h: int) -> torch.Tensor:
-    """``[b, hkv, nq, M, E] -> [b, nq * BLOCK, H, E]``."""
-    b, hkv, nq, m, e = x.shape
-    return x.view(b, hkv, nq, BLOCK, h // hkv, e).permute(0, 2, 3, 1, 4, 5).reshape(
-        b, nq * BLOCK, h, e)
-
-
 @torch.library.custom_op("fcp::banded_attention_bwd", mutates_args=())
 def banded_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, kvh: torch.Tensor,
                          key_doc: torch.Tensor, key_lo: torch.Tensor, doc_q: torch.Tensor,
-                         win_k: Optional[torch.Tensor], win_v: Optional[torch.Tensor],
-                         win_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
-                         q_start: int, band: int, stride: int, scale: float, dk: int,
-                         chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                              torch.Tensor]:  # fmt: skip
-    """``(dq, dkvh, d win_k, d win_v)`` in the inputs' dtypes (the window ones empty without a
-    window)."""
+                         win_kv: Optional[torch.Tensor], win_mask: Optional[torch.Tensor],
+                         out: torch.Tensor, lse: torch.Tensor, q_start: int, band: int,
+                         stride: int, scale: float, dk: int,
+                         chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dkvh, d win_kv)`` in the inputs' dtypes (``d win_kv`` empty without a window)."""
     b, lp, h, _ = q.shape
     hkv, nkb, e = kvh.shape[1], kvh.shape[2], kvh.shape[-1]
-    g, dt = h // hkv, out.dtype
+    dt = out.dtype
     dq = q.new_empty(q.shape, dtype=dt)
-    # key-block major so that index_add_ adds whole contiguous blocks, in index order
+    # key-block major, so that index_add_ adds whole contiguous blocks in index order
     dkv = kvh.new_zeros(nkb, b, hkv, BLOCK, e, dtype=dt)
-    dwk = q.new_zeros(0) if win_k is None else win_k.new_empty(win_k.shape, dtype=dt)
-    dwv = q.new_zeros(0) if win_v is None else win_v.new_empty(win_v.shape, dtype=dt)
+    dwin = q.new_zeros(0) if win_kv is None else win_kv.new_empty(win_kv.shape, dtype=dt)
     windows = key_block_windows(q_start, lp // BLOCK, nkb, band, stride)
-    for i0, i1, starts, n_w in _chunks(windows, chunk):
+    for i0, i1, n_w in _chunks(windows, chunk):
         c = _chunk(q, doc_q, q_start, hkv, i0, i1, dt)
         nq = i1 - i0
         go, o = _rows(grad_out, c, hkv, dt), _rows(out, c, hkv, dt)
         lse_c = _rows(lse[..., None], c, hkv, dt)  # [b, hkv, nq, M, 1]
         delta = (go * o).sum(-1, keepdim=True)
         dqc = torch.zeros_like(c.qc)
-        if win_k is not None:
-            wk, wv, wmask = _window(win_k, win_v, win_mask, c, g)
-            s = _window_scores(c, wk, scale)
-            p = torch.where(wmask, torch.exp(s - lse_c), 0.0)  # [b, hkv, nq, M, W]
-            gr = go.view(b, hkv, nq * BLOCK, g, -1)
-            dp = torch.matmul(gr, wv.to(dt).transpose(-1, -2)).view(p.shape)
-            ds = p * (dp - delta) * scale
-            dsr, pr = ds.view(b, hkv, nq * BLOCK, g, -1), p.view(b, hkv, nq * BLOCK, g, -1)
-            dqc = dqc + torch.matmul(dsr, wk.to(dt)).view(dqc.shape)
-            qr = c.qc.view(b, hkv, nq * BLOCK, g, -1)
-            dwk[:, c.rows] = torch.matmul(dsr.transpose(-1, -2), qr).transpose(1, 2)
-            dwv[:, c.rows] = torch.matmul(pr.transpose(-1, -2), gr).transpose(1, 2)
+        if win_kv is not None:
+            wkv, wmask = _window(win_kv, win_mask, c, dt)
+            qr, gr = _per_query(c, c.qc), _per_query(c, go)
+            s = torch.matmul(qr, wkv[..., :dk].transpose(-1, -2)).view(*go.shape[:4], -1)
+            p = _where(wmask, torch.exp(s * scale - lse_c), 0.0)
+            dp = torch.matmul(gr, wkv[..., dk:].transpose(-1, -2)).view(p.shape)
+            ds, p = _per_query(c, p * (dp - delta) * scale), _per_query(c, p)
+            dqc = dqc + torch.matmul(ds, wkv[..., :dk]).view(dqc.shape)
+            grads = torch.cat([torch.matmul(ds.transpose(-1, -2), qr),
+                               torch.matmul(p.transpose(-1, -2), gr)], -1)  # fmt: skip
+            dwin[:, c.rows] = grads.transpose(1, 2)
         if n_w:
             grads = kvh.new_empty(nq, n_w, b, hkv, BLOCK, e, dtype=dt)
-            base = torch.tensor(starts, device=q.device)
+            base = _starts(q_start, i0, i1, n_w, nkb, stride, q.device)
             for w in range(n_w):
-                kb, vis = _block(kvh, key_doc, key_lo, c, base + w, dk, g)
-                kk, vv = kb[..., :dk].to(dt), kb[..., dk:].to(dt)
-                s = torch.matmul(c.qc, kk.transpose(-1, -2)) * scale
-                p = torch.where(vis, torch.exp(s - lse_c), 0.0)  # [b, hkv, nq, M, BLOCK]
-                ds = p * (torch.matmul(go, vv.transpose(-1, -2)) - delta) * scale
-                dqc = dqc + torch.matmul(ds, kk)
+                kb, vis = _block(kvh, key_doc, key_lo, c, base + w)
+                kb = kb.to(dt)
+                s = torch.matmul(c.qc, kb[..., :dk].transpose(-1, -2))
+                p = _where(vis, torch.exp(s * scale - lse_c), 0.0)  # [b, hkv, nq, M, BLOCK]
+                ds = p * (torch.matmul(go, kb[..., dk:].transpose(-1, -2)) - delta) * scale
+                dqc = dqc + torch.matmul(ds, kb[..., :dk])
                 blk = torch.cat([torch.matmul(ds.transpose(-1, -2), c.qc),
                                  torch.matmul(p.transpose(-1, -2), go)], -1)  # fmt: skip
                 grads[:, w] = blk.permute(2, 0, 1, 3, 4)
@@ -274,32 +268,28 @@ def banded_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, kvh: torch.Ten
             dkv.index_add_(0, idx, grads.flatten(0, 1))
         dq[:, c.rows] = _unrows(dqc, h)
     dkvh = dkv.permute(1, 2, 0, 3, 4).to(kvh.dtype).contiguous()
-    win = (dwk, dwv) if win_k is None else (dwk.to(win_k.dtype), dwv.to(win_v.dtype))
-    return dq.to(q.dtype), dkvh, *win
+    return dq.to(q.dtype), dkvh, dwin if win_kv is None else dwin.to(win_kv.dtype)
 
 
 @banded_attention_bwd.register_fake
-def _(grad_out, q, kvh, key_doc, key_lo, doc_q, win_k, win_v, win_mask, out, lse, q_start, band,
+def _(grad_out, q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, out, lse, q_start, band,
       stride, scale, dk, chunk):  # fmt: skip
-    return (q.new_empty(q.shape), kvh.new_empty(kvh.shape),
-            q.new_empty(0) if win_k is None else win_k.new_empty(win_k.shape),
-            q.new_empty(0) if win_v is None else win_v.new_empty(win_v.shape))  # fmt: skip
+    dwin = q.new_empty(0) if win_kv is None else win_kv.new_empty(win_kv.shape)
+    return q.new_empty(q.shape), kvh.new_empty(kvh.shape), dwin
 
 
 def _setup(ctx, inputs, output):
-    q, kvh, key_doc, key_lo, doc_q, win_k, win_v, win_mask, *args = inputs
-    out, lse = output
-    ctx.save_for_backward(q, kvh, key_doc, key_lo, doc_q, win_k, win_v, win_mask, out, lse)
+    q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, *args = inputs
+    ctx.save_for_backward(q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, *output)
     ctx.args = args
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, kvh, key_doc, key_lo, doc_q, win_k, win_v, win_mask, out, lse = ctx.saved_tensors
-    dq, dkvh, dwk, dwv = banded_attention_bwd(grad_out, q, kvh, key_doc, key_lo, doc_q, win_k,
-                                              win_v, win_mask, out, lse, *ctx.args)  # fmt: skip
-    if win_k is None:
-        dwk = dwv = None
-    return dq, dkvh, None, None, None, dwk, dwv, None, None, None, None, None, None, None
+    q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, out, lse = ctx.saved_tensors
+    dq, dkvh, dwin = banded_attention_bwd(grad_out, q, kvh, key_doc, key_lo, doc_q, win_kv,
+                                          win_mask, out, lse, *ctx.args)  # fmt: skip
+    return (dq, dkvh, None, None, None, None if win_kv is None else dwin, None,
+            *[None] * len(ctx.args))  # fmt: skip
 
 
 banded_attention_fwd.register_autograd(_backward, setup_context=_setup)
@@ -324,37 +314,35 @@ def chunk_blocks(batch: int, heads: int, kv_heads: int, e: int, band: int, strid
     return max(1, min(n_qblocks, CHUNK_ELEMENTS // per_block))
 
 
-def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_doc: torch.Tensor,
+def banded_attention(q: torch.Tensor, kv: torch.Tensor, dk: int, key_doc: torch.Tensor,
                      key_lo: torch.Tensor, doc_q: torch.Tensor, q_start: int, band: int,
                      scale: float, *, stride: int = 1, window: Window | None = None,
                      chunk: int | None = None) -> torch.Tensor:
-    """Softmax attention of ``q [b, L, H, D]`` (global positions ``q_start ..``, doc ids
-    ``doc_q [b, L]``) over the shared keys ``k [b, K, hkv, D]``, ``v [b, K, hkv, Dv]`` (key
-    ``i`` at key index ``i``: visible iff ``key_doc [b, K] == doc(t) != 0`` and ``key_lo [K] <=
-    t``) and the optional per-query ``window``, in one softmax (module docstring).
+    """Softmax attention of ``q [b, L, H, D]`` (global positions ``q_start ..``, doc ids ``doc_q
+    [b, L]``) over the shared keys and values ``kv [b, K, hkv, D + Dv]`` (keys ``[..., :dk]``;
+    key ``i`` is visible iff ``key_doc [b, K] == doc(t) != 0`` and ``key_lo [K] <= t``) and the
+    optional per-query ``window``, in one softmax (module docstring).
 
     ``band``: no key more than ``band - 1`` positions before a query is visible (key ``i``
     covers positions ``[i * stride, (i + 1) * stride)``). ``chunk``: queries per step, rounded
     down to whole blocks (default: about :data:`CHUNK_ELEMENTS` elements). Neither changes the
     result, bitwise. Returns ``[b, L, H, Dv]`` in ``q``'s dtype.
     """
-    b, n, h, d = q.shape
-    hkv, dk, dv = k.shape[2], k.shape[3], v.shape[3]
-    nkb = -(-k.shape[1] // BLOCK)
+    b, n, h, _ = q.shape
+    hkv, e = kv.shape[2], kv.shape[3]
+    nkb = -(-kv.shape[1] // BLOCK)
     lp = max(1, -(-n // BLOCK)) * BLOCK
-    common = torch.promote_types(k.dtype, v.dtype)
-    kv = _pad(torch.cat([k.to(common), v.to(common)], -1), nkb * BLOCK, 1)
-    kvh = kv.view(b, nkb, BLOCK, hkv, dk + dv).permute(0, 3, 1, 2, 4).contiguous()
+    kvh = _pad(kv, nkb * BLOCK, 1).view(b, nkb, BLOCK, hkv, e).permute(0, 3, 1, 2, 4)
     kd = _pad(key_doc, nkb * BLOCK, 1, OUTSIDE_DOC_ID).view(b, nkb, BLOCK)
     kl = _pad(key_lo, nkb * BLOCK, 0, torch.iinfo(torch.int64).max).view(nkb, BLOCK)
-    qp, dq = _pad(q, lp, 1), _pad(doc_q, lp, 1, OUTSIDE_DOC_ID)
-    wk = wv = wm = None
+    wkv = wm = None
     if window is not None:
-        wk, wv, wm = _pad(window.k, lp, 1), _pad(window.v, lp, 1), _pad(window.mask, lp, 1, False)
+        wkv, wm = _pad(window.kv, lp, 1), _pad(window.mask, lp, 1, False)
     if chunk is None:
-        blocks = chunk_blocks(b, h, hkv, dk + dv, band, stride, lp // BLOCK)
+        blocks = chunk_blocks(b, h, hkv, e, band, stride, lp // BLOCK)
     else:
         blocks = max(1, chunk // BLOCK)
-    out, _ = banded_attention_fwd(qp, kvh, kd, kl, dq, wk, wv, wm, q_start, band, stride,
-                                  float(scale), dk, blocks)  # fmt: skip
+    out, _ = banded_attention_fwd(_pad(q, lp, 1), kvh.contiguous(), kd, kl,
+                                  _pad(doc_q, lp, 1, OUTSIDE_DOC_ID), wkv, wm, q_start, band,
+                                  stride, float(scale), dk, blocks)  # fmt: skip
     return out[:, :n].to(q.dtype)
