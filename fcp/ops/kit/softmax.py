@@ -40,6 +40,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from fcp.layout import OUTSIDE_DOC_ID, PAD_DOC_ID
+from fcp.ops.kit.common import compute_dtype
 
 __all__ = ["BLOCK", "CHUNK_ELEMENTS", "Window", "banded_attention", "key_block_windows"]
 
@@ -89,10 +90,6 @@ def _starts(q_start, i0, i1, n_w, n_kblocks, stride, device) -> torch.Tensor:
     the device: no host-to-device copy)."""
     last = q_start + torch.arange(i0, i1, device=device) * BLOCK + BLOCK - 1
     return (_last_block(last, n_kblocks, stride) - n_w + 1).clamp(min=0)
-
-
-def _dtype(q: torch.Tensor, kv: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(torch.float32, torch.promote_types(q.dtype, kv.dtype))
 
 
 class _Chunk(NamedTuple):
@@ -180,7 +177,7 @@ def banded_attention_fwd(q: torch.Tensor, kvh: torch.Tensor, key_doc: torch.Tens
     ``None``; ``chunk`` query blocks at a time."""
     b, lp, h, _ = q.shape
     hkv, nkb, dv = kvh.shape[1], kvh.shape[2], kvh.shape[-1] - dk
-    dt = _dtype(q, kvh)
+    dt = compute_dtype(q, kvh)
     out = q.new_empty(b, lp, h, dv, dtype=dt)
     lse = q.new_empty(b, lp, h, dtype=dt)
     windows = key_block_windows(q_start, lp // BLOCK, nkb, band, stride)
@@ -211,9 +208,9 @@ def banded_attention_fwd(q: torch.Tensor, kvh: torch.Tensor, key_doc: torch.Tens
 
 @banded_attention_fwd.register_fake
 def _(q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, q_start, band, stride, scale, dk, chunk):
-    dt = _dtype(q, kvh)
-    dv = kvh.shape[-1] - dk
-    return q.new_empty(*q.shape[:3], dv, dtype=dt), q.new_empty(q.shape[:3], dtype=dt)
+    dt = compute_dtype(q, kvh)
+    return (q.new_empty(*q.shape[:3], kvh.shape[-1] - dk, dtype=dt),
+            q.new_empty(q.shape[:3], dtype=dt))  # fmt: skip
 
 
 @torch.library.custom_op("fcp::banded_attention_bwd", mutates_args=())
