@@ -140,12 +140,14 @@ def _indexer_compiles(ctx_fn, packings):
 
 @pytest.mark.parametrize("compiles", [_attention_compiles, _indexer_compiles])
 def test_compiled_operators_recompile_only_for_a_new_band(compiles):
-    seq = 160
-    same_bucket = [packing(seq, [20, 30, 110]), packing(seq, [100, 60]),
-                   packing(seq, [5] * 20 + [60])]  # fmt: skip
-    assert compiles(lambda d: PackedContext(d, band=128), same_bucket) == 1
-    assert compiles(lambda d: PackedContext(d, band=128 if longest_document(d) <= 128 else 256),
-                    same_bucket + [packing(seq, [150, 10])]) == 2  # fmt: skip
+    """Planned bands: three packings of documents up to 1024 tokens share the bucket 1024 (one
+    graph); a 1500-token document moves to the bucket 2048 (one more)."""
+    seq = 2560
+    same_bucket = [packing(seq, [1000, 1000, 560]), packing(seq, [7, 1024, 900, 629]),
+                   packing(seq, [64] * 40)]  # fmt: skip
+    assert {PackedContext(d).band for d in same_bucket} == {1024}
+    assert compiles(PackedContext, same_bucket) == 1
+    assert compiles(PackedContext, same_bucket + [packing(seq, [1500, 1060])]) == 2
 
 
 # ============================================================================ ops and cost
