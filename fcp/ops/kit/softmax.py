@@ -30,7 +30,9 @@ with no visible key (a pad query) gets exact zeros and sends no gradient.
 
 Memory: ``fcp::banded_attention_fwd`` / ``_bwd`` are ``torch.library`` custom ops looping over
 chunks of query blocks (the compiled graph does not grow with the sequence); the forward saves
-the output and one log-sum-exp per query and head, never a probability matrix.
+the output and one log-sum-exp per query and head, never a probability matrix. Deterministic on
+CPU; on CUDA the key gradients' ``index_add_`` uses atomics (run-to-run rounding differences
+unless ``torch.use_deterministic_algorithms(True)``), and ``"flex"`` is the default there.
 """
 
 from __future__ import annotations
