@@ -149,7 +149,7 @@ def main(argv=None) -> Path:
     sections.append(("transformers' GLM-5.3-Flash on fcp: CP 2 vs 1 rank, bytes per DSA layer",
                      text))
     print("long rows (GLM-5.3-Flash and Qwen3-Next, 1 and 2 ranks) ...", flush=True)
-    long_args = (["--lengths", "2048", "8192", "--layouts", "bounded", "--cp-length", "0",
+    long_args = (["--lengths", "2048", "8192", "--layouts", "bounded", "--cp-length", "8192",
                   "--indexer-lengths", "8192", "--repeats", "2"] if q else
                  ["--full-lengths", "2048", "8192", "32768"])  # fmt: skip
     long_res, text = _capture(bench_long_context.main, long_args)

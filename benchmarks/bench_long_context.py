@@ -223,12 +223,12 @@ def summary(rows, idx_rows, cp_length) -> list[dict]:
                        and r["layout"] == "bounded"})  # fmt: skip
         small = get(model, "bounded", min(lens)) if lens else None
         mid = get(model, "bounded", 8192)
-        for n in (n for n in lens if n >= 32768):
+        for n in (n for n in lens if n > small["tokens"]):
             r = get(model, "bounded", n)
             for kind, what in (("us_per_token", "wall"), ("cpu_us_per_token", "cpu")):
                 add(f"{model} bounded docs: us/token ({what}) at {n // 1024}k / "
                     f"{small['tokens'] // 1024}k", r[kind] / small[kind], "<=", 1.3)
-            for kind in ("peak_rss", "peak_step") if mid else ():
+            for kind in ("peak_rss", "peak_step") if mid and n > 8192 else ():
                 add(f"{model} bounded docs: {kind} per token at {n // 1024}k / 8k",
                     (r[kind] / n) / (mid[kind] / 8192), "<=", 1.2)
         cp1, cp2 = get(model, "bounded", cp_length), get(model, "bounded", cp_length, 2)
