@@ -103,6 +103,7 @@ def main(argv=None) -> Path:
         bench_index_attention,
         bench_isolation,
         bench_kda_scan,
+        bench_long_context,
         bench_mamba2_cp,
         bench_scaling,
     )
@@ -161,6 +162,12 @@ def main(argv=None) -> Path:
                      "transformers' Nemotron-H Mamba2 layer on fcp: CP 2 vs 1 rank",
                      bench_mamba2_cp.main, ["--lengths", "4096" if q else "8192",
                                             "--repeats", "2" if q else "5"])  # fmt: skip
+    long_args = (["--lengths", "2048", "8192", "--layouts", "bounded", "--cp-length", "8192",
+                  "--indexer-lengths", "8192", "--repeats", "2"] if q else
+                 ["--full-lengths", "2048", "8192", "32768"])  # fmt: skip
+    long_res = run("long rows (GLM-5.3-Flash and Qwen3-Next, 1 and 2 ranks)",
+                   "Long rows: cost per token and peak memory per rank against the row length",
+                   bench_long_context.main, long_args)
     print("layout ...", flush=True)
     sections.append(("Layout and sharding at 1M tokens / 100k documents",
                      _script("bench_layout.py", ["--repeats", "5" if q else "15",
@@ -222,6 +229,8 @@ def main(argv=None) -> Path:
         head.append(f"| Nemotron-H Mamba2 layer {r['tokens']} tokens, CP 2 vs 1 rank: speed-up "
                     f"(wall / CPU time per rank) / saved-activation ratio | {r['speedup']:.2f}x / "
                     f"{r['cpu_speedup']:.2f}x / {r['saved_ratio']:.2f}x |")
+    for t in long_res["targets"]:
+        head.append(f"| {t['measure']} (target {t['target']}) | {t['value']:.2f} |")
     r = max(gdn_rows, key=lambda r: r["seq"])
     head.append(f"| GDN scalar gate vs gate broadcast to K ({r['seq']} tokens, K=V=128): time / "
                 f"peak memory / saved activations, broadcast over scalar | {r['time_ratio']:.2f}x "

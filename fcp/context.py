@@ -16,6 +16,12 @@ lengths 4, 1 and 5, then two pad tokens::
     row_cu_seqlens(0) -> segments [0, 4, 5, 10, 12] (the pad tail is its own segment)
 
 A single-process context needs nothing but the map: ``PackedContext(doc_ids)``.
+
+The context also carries ``band``, a static bound on how far back any query can see, planned
+once from the map: the longest document rounded up to a power of two, at least
+:data:`MIN_BAND` and at most the row (here 12: the row is shorter than ``MIN_BAND``).
+Operators that score keys score only ``[t - band + 1, t]`` per query ``t``, so with documents
+of bounded length their cost per token does not grow with the row.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from fcp.checks import check_instance, check_int, check_tensor
 from fcp.groups import GroupInfo
 from fcp.layout import (
     PAD_DOC_ID,
+    longest_document,
     position_ids_from_doc_ids,
     segment_cu_seqlens,
     validate_doc_ids,
@@ -39,7 +46,7 @@ from fcp.pytree import has_data, register_frozen_pytree
 
 _T = TypeVar("_T")
 
-__all__ = ["PackedContext", "check_context"]
+__all__ = ["MIN_BAND", "PackedContext", "band_bucket", "check_context"]
 
 
 @dataclass(frozen=True)
@@ -57,9 +64,20 @@ class PackedContext:
         local_seq_len: padded local length; ``global_seq == cp_size * local_seq_len``.
         original_seq_len: the row length before CP padding (``None``: unknown, taken as
             ``global_seq``).
+        band: every real token's document started fewer than ``band`` tokens before it (at
+            least the longest document of the map). Default: planned from the map at
+            construction (:func:`band_bucket`): the longest document rounded up to a power of
+            two, at least :data:`MIN_BAND`, at most ``global_seq``, so packings with similar
+            document lengths give the same value and a row length has at most
+            ``log2(global_seq / MIN_BAND) + 2`` of them. Operators that score
+            keys (the dense attention backends, the indexers) score, per block of queries, only
+            keys within ``band`` of it. ``None`` where the map has no data (a context built
+            from traced ids inside a compiled region): operators then take the whole row.
 
-    Only ``doc_ids`` is a pytree leaf; the rest is static. ``seq_start`` and ``local_seq_len``
-    default to the values implied by ``cp_rank`` and ``cp_size``.
+    Only ``doc_ids`` is a pytree leaf; the rest is static (``band`` included: compiled code sees
+    it as a constant, so a new band bucket compiles a new graph, a new packing in the same
+    bucket does not). ``seq_start`` and ``local_seq_len`` default to the values implied by
+    ``cp_rank`` and ``cp_size``.
 
     Validation: construction checks every static field and, eagerly, the map's values with
     :func:`~fcp.layout.validate_doc_ids` (one host synchronisation, so every rank holding the same
@@ -76,6 +94,7 @@ class PackedContext:
     seq_start: int | None = None
     local_seq_len: int | None = None
     original_seq_len: int | None = None
+    band: int | None = None
 
     def __post_init__(self) -> None:
         d = self.doc_ids
@@ -119,8 +138,18 @@ class PackedContext:
                     f"original_seq_len={original} is outside [0, {total}] "
                     "(the padded global length)"
                 )
+        if self.band is not None:
+            check_int(self.band, "band", 0, fn="PackedContext")
         if has_data(d):
             validate_doc_ids(d)
+            longest = longest_document(d)
+            if self.band is None:
+                object.__setattr__(self, "band", band_bucket(longest, total))
+            elif self.band < longest:
+                raise ValueError(
+                    f"PackedContext: band={self.band} is shorter than the longest document "
+                    f"({longest} tokens); leave band=None to plan it from the map"
+                )
         # Host-side memo of planning results (segment boundaries, FLA contexts): planning runs
         # once per batch, not once per layer. Not a field (FSDP's input cast rebuilds dataclasses
         # with dataclasses.replace over their fields), so not in equality, hashing or the pytree.
@@ -149,6 +178,11 @@ class PackedContext:
     def seq_end(self) -> int:
         """Exclusive global end of this rank's interval."""
         return self.seq_start + self.local_seq_len
+
+    @property
+    def key_band(self) -> int:
+        """:attr:`band`, or ``global_seq`` when it is unknown (``None``)."""
+        return self.global_seq_len if self.band is None else self.band
 
     @property
     def interval(self) -> tuple[int, int]:
@@ -240,8 +274,28 @@ class PackedContext:
         return row
 
     def replace(self, **changes: Any) -> "PackedContext":
-        """A new context with ``changes`` applied (validated anew, fresh host-side memo)."""
+        """A new context with ``changes`` applied (validated anew, fresh host-side memo; a new
+        ``doc_ids`` without a ``band`` gets its band planned anew)."""
+        if "doc_ids" in changes and "band" not in changes:
+            changes["band"] = None
         return dataclasses.replace(self, **changes)
+
+
+#: The smallest planned band: below about a thousand tokens a band saves too little work to be
+#: worth a compiled graph of its own, so every packing of short documents shares one.
+MIN_BAND = 1024
+
+
+def band_bucket(longest: int, seq: int) -> int:
+    """The default :attr:`PackedContext.band`: the smallest power of two ``>= longest``, at
+    least :data:`MIN_BAND`, at most ``seq``.
+
+    >>> [band_bucket(n, 1 << 14) for n in (0, 700, 1024, 1025, 5000, 9000)]
+    [1024, 1024, 1024, 2048, 8192, 16384]
+    >>> band_bucket(5, 12)
+    12
+    """
+    return min(seq, max(MIN_BAND, 1 << max(0, longest - 1).bit_length()))
 
 
 register_frozen_pytree(PackedContext, leaves=("doc_ids",), name="fcp.PackedContext")

@@ -20,8 +20,8 @@ Conventions (every function here follows them):
   must be negative because 0 is a legitimate (zero-length) document.
 
 Host-side functions (``doc_ids_from_*``, ``segment_cu_seqlens``,
-``packed_boundaries_from_seq_lens``, ``validate_*``) may synchronise with the
-device and have data-dependent output shapes.  ``document_starts``,
+``packed_boundaries_from_seq_lens``, ``longest_document``, ``validate_*``) may
+synchronise with the device and have data-dependent output shapes.  ``document_starts``,
 ``position_ids_from_doc_ids`` and ``lengths_from_doc_ids``
 are compile-safe: no host sync, no data-dependent shapes.  Nothing loops over
 documents or tokens in Python.  Every rejection is a ``ValueError`` naming the
@@ -41,6 +41,7 @@ __all__ = [
     "doc_ids_from_cu_seqlens", "doc_ids_from_seq_lens",
     "segment_cu_seqlens", "packed_boundaries_from_seq_lens",
     "document_starts", "position_ids_from_doc_ids", "lengths_from_doc_ids",
+    "longest_document",
     "validate_doc_ids", "validate_right_tail_mask",
 ]  # fmt: skip
 
@@ -315,6 +316,17 @@ def lengths_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     Example: ``[[1, 1, 2, 0], [1, 1, 1, 1]] -> [3, 4]``
     """
     return (doc_ids != PAD_DOC_ID).sum(dim=-1, dtype=torch.int64)
+
+
+def longest_document(doc_ids: torch.Tensor) -> int:
+    """The length of the longest real document of any row (0 without one).  Host-side.
+
+    Example: ``[[1, 1, 1, 2, 0, 0]] -> 3`` (the pad tail is not a document)
+    """
+    if doc_ids.numel() == 0:
+        return 0
+    pos = position_ids_from_doc_ids(doc_ids)
+    return int(torch.where(doc_ids != PAD_DOC_ID, pos + 1, 0).max())
 
 
 # ---- validators (host-side) --------------------------------------------------

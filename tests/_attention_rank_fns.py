@@ -73,7 +73,8 @@ def call_op(name: str, t: dict, ctx: PackedContext, kw: dict) -> torch.Tensor:
         return index_attention(t["q"], k, v, t["indices"], ctx, kv="global", **attn_kw)
     if name in ("kpool", "glm"):
         idx = kpool_indexer(*(t[n] for n in KPOOL_INPUTS), ctx, topk=kw.get("topk", 8),
-                            kpool=kw.get("kpool", 4), select_tail=kw.get("select_tail", True))
+                            kpool=kw.get("kpool", 4), select_tail=kw.get("select_tail", True),
+                            query_chunk=kw.get("query_chunk"))
         if name == "kpool":
             return idx
         q = t["q"]  # MLA layout: per-head keys (kv_heads == heads), gathered by the caller
@@ -84,7 +85,8 @@ def call_op(name: str, t: dict, ctx: PackedContext, kw: dict) -> torch.Tensor:
     if name in ("qsa", "qsa_attn"):
         cos, sin = _rope(ctx, t["index_q"].dtype)
         idx = qsa_indexer(t["index_q"], t["index_k"], t["q_norm"], t["k_norm"], cos, sin, ctx,
-                          budget=kw.get("budget", 8), ratio=kw.get("ratio", 4))  # fmt: skip
+                          budget=kw.get("budget", 8), ratio=kw.get("ratio", 4),
+                          query_chunk=kw.get("query_chunk"))  # fmt: skip
         if name == "qsa":
             return idx
         return index_attention(t["q"], t["k"], t["v"], idx, ctx, **attn_kw)
@@ -107,6 +109,12 @@ def single_process(name, inputs, doc_ids, kw, grad_out):
     """``{"out": ..., "q"/"k"/"v": grads}`` (attention) or ``{"out": indices}`` (indexers)."""
     ctx = PackedContext(doc_ids)
     return cp_jobs.forward_backward(_call(name, kw), inputs, ctx, grad_out, **_names(name))
+
+
+def run_in(name, inputs, ctx, kw, grad_out):
+    """``name`` on this rank's slice of ``inputs`` under ``ctx``: out (and q/k/v gradients)."""
+    return cp_jobs.forward_backward(_call(name, kw), inputs, ctx, grad_out, cp_jobs.shard(ctx),
+                                    **_names(name))  # fmt: skip
 
 
 def cp_rank(env, name, inputs, doc_ids, kw, grad_out):

@@ -27,7 +27,8 @@ def _args(inputs):
 def test_pool_slots_worked_example():
     doc_ids = torch.tensor([[1] * 6 + [2] * 9 + [0]])
     assert pool_slots(doc_ids, 4, 2).tolist() == [[3, -1, 9, 13]]
-    assert pool_slots(doc_ids, 4, 1).tolist() == [[3, 9, 13, -1]]
+    # slots are position-aligned (slot c of a rank: its local positions [4c, 4c + 4))
+    assert pool_slots(doc_ids, 4, 1).tolist() == [[3, -1, 9, 13]]
 
 
 def test_ties_go_to_the_earlier_pool():

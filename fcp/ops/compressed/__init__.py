@@ -17,8 +17,9 @@ fetches the ``window - 1`` exact tokens before its interval with :func:`fcp.comm
 Without CP any length works: a trailing partial block is never visible (it cannot end before a
 query), so it is dropped.
 
-Cost: ``O(local_seq * (seq_end / ratio + window))`` scores per head; the window is gathered with
-``unfold`` (a static ``[batch, local_seq, window]`` view), not a dense ``local x global`` mask.
+Cost: ``O(local_seq * (band / ratio + window))`` scores per head (``band``: the context's bound
+on document lengths); the window is gathered with ``unfold`` (a static ``[batch, local_seq,
+window]`` view), not a dense ``local x global`` mask.
 
 * :mod:`.reference` - the definition (a float64 per-query loop; tests only);
 * :mod:`.blocks` - what both backends share: block means, their all-gather, the window halo;
@@ -47,7 +48,7 @@ _RUN = {"dense": compressed_dense, "flex": compressed_flex}
 
 def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: PackedContext,
                          ratio: int = 4, window: int | None = None, scale: float | None = None, *,
-                         backend: str = "auto") -> torch.Tensor:
+                         query_chunk: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Attention over same-document compressed blocks plus an exact local window.
 
     Args:
@@ -57,6 +58,9 @@ def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cont
         ratio: tokens per compressed block.
         window: exact-key window (``t - window < s <= t``), default ``ratio``; ``>= 1``.
         scale: softmax scale, default ``D ** -0.5``.
+        query_chunk: ``"dense"``: queries processed at a time (as in
+            :func:`~fcp.ops.doc_causal.doc_causal_attention`; results do not depend on it,
+            bitwise); ``"flex"`` ignores it.
         backend: ``"auto"`` (``"flex"`` on CUDA, ``"dense"`` elsewhere), ``"dense"`` or
             ``"flex"``.
 
@@ -82,5 +86,7 @@ def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cont
             f"{name}: under CP the local sequence length {local} must be a multiple of "
             f"ratio={ratio} (pad the global length to a multiple of cp_size * ratio)"
         )
+    if query_chunk is not None:
+        query_chunk = check_positive_int(query_chunk, "query_chunk", fn=name)
     q, k, v = finite_or_zero(q), finite_or_zero(k), finite_or_zero(v)
-    return zero_nonfinite_grad(_RUN[backend](q, k, v, context, ratio, window, scale))
+    return zero_nonfinite_grad(_RUN[backend](q, k, v, context, ratio, window, scale, query_chunk))

@@ -13,8 +13,10 @@ from fcp.ops.kit.attention import with_anchors
 __all__ = ["compressed_flex"]
 
 
-def compressed_flex(q, k, v, context: PackedContext, ratio: int, window: int, scale: float):
-    """``[batch, local_seq, heads, Dv]`` (arguments checked by the dispatcher)."""
+def compressed_flex(q, k, v, context: PackedContext, ratio: int, window: int, scale: float,
+                    query_chunk: int | None = None):
+    """``[batch, local_seq, heads, Dv]`` (arguments checked by the dispatcher; FlexAttention
+    tiles by itself, ``query_chunk`` is unused)."""
     dk, start = k.shape[-1], context.seq_start
     keys = compressed_keys(k, v, context, ratio, window)
     b = keys.block_index

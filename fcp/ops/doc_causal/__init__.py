@@ -3,7 +3,8 @@
 Query ``t`` sees key ``s`` iff ``doc(s) == doc(t) != 0`` and ``s <= t`` (global positions).
 Under CP every rank all-gathers K and V (one collective on ``cat([k, v], -1)``) and masks with the
 replicated doc-id map; keys after the rank's interval can never be seen, so only the prefix
-``[0, seq_end)`` of the gathered sequence is scored.
+``[0, seq_end)`` of the gathered sequence is used, and each query block scores only the keys of
+the ``context.band`` positions before it.
 
 * :mod:`.reference` - the definition (a float64 per-query loop; tests only);
 * :mod:`.dense` - ``backend="dense"``: the masked fp32 softmax (every device);
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from fcp.checks import check_positive_int
 from fcp.context import PackedContext
 from fcp.ops.doc_causal.dense import doc_causal_dense
 from fcp.ops.doc_causal.flex import doc_causal_flex
@@ -30,7 +32,8 @@ _RUN = {"dense": doc_causal_dense, "flex": doc_causal_flex}
 
 
 def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: PackedContext,
-                         scale: float | None = None, *, backend: str = "auto") -> torch.Tensor:
+                         scale: float | None = None, *, query_chunk: int | None = None,
+                         backend: str = "auto") -> torch.Tensor:
     """Causal attention within documents.
 
     Args:
@@ -40,13 +43,19 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cont
         v: ``[batch, local_seq, kv_heads, Dv]``.
         context: the rank's :class:`~fcp.context.PackedContext`.
         scale: softmax scale, default ``D ** -0.5``.
+        query_chunk: ``"dense"``: queries processed at a time (rounded down to blocks of 64;
+            default: about 4M elements of scores and keys per chunk). Results do not depend on
+            it, bitwise. ``"flex"`` tiles by itself and ignores it.
         backend: ``"auto"`` (``"flex"`` on CUDA, ``"dense"`` elsewhere), ``"dense"`` or
             ``"flex"``.
 
     Returns:
         ``[batch, local_seq, heads, Dv]`` in ``q``'s dtype (softmax in fp32, fp64 for fp64
         inputs). Pad queries (doc id 0) get zeros and no gradient flows from them. Non-finite
-        values stay in their document (:mod:`fcp.ops.kit.common`).
+        values stay in their document (:mod:`fcp.ops.kit.common`). Cost: each query block
+        scores the keys of the ``context.band`` positions before it, not the whole row
+        (``"dense"``: bitwise independent of ``context.band``; FlexAttention skips masked
+        tiles).
 
     Example: ``doc_ids = [[1, 1, 2]]``: token 1 averages tokens 0-1 by softmax weight; token 2
     (document 2) sees only itself, so its output is ``v[2]``::
@@ -61,5 +70,7 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cont
     check_qkv(name, q, k, v, context)
     backend = attention_backend(name, backend, q)
     scale = default_scale(q.shape[-1], scale)
+    if query_chunk is not None:
+        query_chunk = check_positive_int(query_chunk, "query_chunk", fn=name)
     q, k, v = finite_or_zero(q), finite_or_zero(k), finite_or_zero(v)
-    return zero_nonfinite_grad(_RUN[backend](q, k, v, context, scale))
+    return zero_nonfinite_grad(_RUN[backend](q, k, v, context, scale, query_chunk))

@@ -17,8 +17,10 @@ from fcp.ops.kit.attention import with_anchors
 __all__ = ["doc_causal_flex"]
 
 
-def doc_causal_flex(q, k, v, context: PackedContext, scale: float) -> torch.Tensor:
-    """``[batch, local_seq, heads, Dv]`` (arguments checked by the dispatcher)."""
+def doc_causal_flex(q, k, v, context: PackedContext, scale: float,
+                    query_chunk: int | None = None) -> torch.Tensor:
+    """``[batch, local_seq, heads, Dv]`` (arguments checked by the dispatcher; FlexAttention
+    tiles by itself, ``query_chunk`` is unused)."""
     dk, start, end = k.shape[-1], context.seq_start, context.seq_end
     kv = all_gather_sequence(torch.cat([k, v], -1), context, dtype=torch.float32)
     keys = kv[:, :end]

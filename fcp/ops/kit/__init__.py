@@ -3,7 +3,7 @@ another and nothing is copied between them.
 
 * :mod:`.common` - backend choice, default scale, compute dtype, isolation of non-finite values;
 * :mod:`.attention` - the q/k/v rule, the softmax backend choice, backward anchors;
-* :mod:`.softmax` - the dense masked fp32 softmax over key parts (every device);
+* :mod:`.softmax` - the dense masked fp32 softmax, banded by the context's ``band`` (every device);
 * :mod:`.flex` - FlexAttention with the same masks (CUDA);
 * :mod:`.masks` - attention masks from the replicated doc-id map;
 * :mod:`.pools` - document-aligned pools under CP and the selection pipeline of both indexers;

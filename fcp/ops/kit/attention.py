@@ -23,7 +23,7 @@ __all__ = [
     "query_positions",
 ]
 
-#: ``"dense"``: masked fp32 softmax, every device (O(local x keys) scores). ``"flex"``:
+#: ``"dense"``: banded masked fp32 softmax, every device (O(local x band) scores). ``"flex"``:
 #: FlexAttention with the same masks (the default on CUDA; no backward on CPU).
 SOFTMAX_BACKENDS = ("dense", "flex")
 

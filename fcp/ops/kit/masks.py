@@ -9,9 +9,10 @@ doc id on the host. Conventions:
   exact zeros for it, with zero gradient);
 * positions outside ``[0, global_seq)`` get doc id ``-1`` (:data:`OUTSIDE`), which matches nothing.
 
-Worked example (one row, ``doc_ids = [[1, 1, 2, 2, 2, 0]]``)::
+Worked example (one row, ``doc_ids = [[1, 1, 2, 2, 2, 0]]``): document-causal visibility,
+``same_doc(doc_q, doc_k) & (s <= t)``, as the banded softmax of :mod:`fcp.ops.kit.softmax`
+applies it block by block::
 
-    doc_causal_mask(doc_q=[1,1,2,2,2,0], q_pos=0..5, doc_k=same, k_pos=0..5) ->
         t=0: 1 0 0 0 0 0        t=3: 0 0 1 1 0 0
         t=1: 1 1 0 0 0 0        t=4: 0 0 1 1 1 0
         t=2: 0 0 1 0 0 0        t=5: 0 0 0 0 0 0   (pad query: empty row)
@@ -26,7 +27,6 @@ from fcp.layout import OUTSIDE_DOC_ID, PAD_DOC_ID, doc_ids_window
 __all__ = [
     "OUTSIDE",
     "doc_ids_window",
-    "doc_causal_mask",
     "full_block_doc_ids",
     "last_doc_of_blocks",
     "same_doc",
@@ -42,17 +42,6 @@ def same_doc(doc_q: torch.Tensor, doc_k: torch.Tensor) -> torch.Tensor:
     if doc_k.dim() == 2:
         doc_k = doc_k[:, None, :]
     return (doc_k == dq) & (dq != PAD_DOC_ID)
-
-
-def doc_causal_mask(
-                    doc_q: torch.Tensor, q_pos: torch.Tensor, doc_k: torch.Tensor, k_pos: torch.Tensor
-) -> torch.Tensor:
-    """bool ``[batch, q, k]``: key ``s`` is in the (real) document of query ``t`` and ``s <= t``.
-
-    ``doc_q`` ``[batch, q]``, ``doc_k`` ``[batch, k]``; ``q_pos`` ``[q]`` and ``k_pos`` ``[k]`` are
-    global positions.
-    """
-    return same_doc(doc_q, doc_k) & (k_pos[None, :] <= q_pos[:, None])[None]
 
 
 def full_block_doc_ids(doc_ids: torch.Tensor, block: int, num_blocks: int) -> torch.Tensor:

@@ -9,16 +9,18 @@ back to global token ids. Each indexer brings only its pooled keys, its queries 
 
     plan = plan_pools(context, k)                               # replicated slot table
     keys = my_pooled_keys(..., plan.ends)                        # [batch, C, Di], this rank's
-    score = relu_head_scores(q, gather_pool_keys(keys, context), weights, scale)
-    rows = select_pools(score, plan, context, k, n_pools, tail=...)
+    rows = select_pools(q, gather_pool_keys(keys, context), plan, context, k, n_pools,
+                        tail=..., head_weights=w, scale=scale)
 
 Pools. Pool ``j`` of a document covers its document-local positions ``[j*k, (j+1)*k)``; only
 complete pools exist. A token *ends a pool* iff it is real (doc id != 0) and its document-local
 position ``p`` has ``(p + 1) % k == 0``; its pool is the ``k`` tokens up to and including it, all
 in its document. A pool ending at ``e`` is visible to query ``t`` iff ``doc(e) == doc(t) != 0``
 and ``e <= t``. Pool ends are at least ``k`` apart (the ``k - 1`` tokens before an end share its
-document), so a rank's interval of ``L`` tokens holds at most ``ceil(L / k)`` of them: every
-rank compacts its pool ends into that many *slots*, a static shape whatever the packing.
+document), so each run of ``k`` positions holds at most one: slot ``c`` of a rank holds the pool
+end among its local positions ``[c*k, (c+1)*k)``, if any. A rank of ``L`` tokens has ``ceil(L /
+k)`` slots, a static shape whatever the packing, and the slots are position-aligned: the slots a
+range of positions can hold are known without looking at the map.
 
 Worked example (``k = 4``, two ranks of 8 tokens: rank 0 owns 0-7, rank 1 owns 8-15)::
 
@@ -33,6 +35,14 @@ The pool ending at 9 covers tokens 6..9 and straddles the rank boundary: rank 1 
 6 and 7 through :func:`fcp.comm.left_halo` (``k - 1`` tokens). Query 14 sees the pools ending at
 9 and 13; its tail is token 14 (document positions 8..8, the start of its incomplete pool).
 
+Scoring. A query ``t`` sees only pools of its document, which started fewer than
+``context.band`` tokens before it, so :func:`select_pools` scores each chunk of queries against
+the slots of positions ``[first query - band + 1, last query]`` only (``fcp::pool_top``, a
+custom op looping over query chunks: the compiled graph does not grow with the sequence, and
+the transient scores are bounded by the chunk). The result is the same as scoring every slot
+of the row, bitwise: the slots left out are invisible to the chunk, the per-(query, pool)
+scores do not depend on which others are computed, and the tie rule orders slots by position.
+
 Everything is compile-safe: static shapes from Python ints, no host synchronisation; the slot
 table is derived on every rank from the replicated doc-id map (no communication), and the only
 collectives are one ``k - 1`` token left halo and one all-gather of the per-slot summaries.
@@ -41,7 +51,7 @@ collectives are one ``k - 1`` token left halo and one all-gather of the per-slot
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -57,6 +67,13 @@ __all__ = [
     "gather_pool_keys",
     "relu_head_scores",
     "select_pools",
+    "SCORE_CHUNK_ELEMENTS",
+    "pool_top",
+    "score_chunks",
+    "score_chunk_rows",
+    "scored_pairs",
+    "slot_of",
+    "slot_window",
     "pool_ends",
     "slot_capacity",
     "pool_slots",
@@ -64,6 +81,7 @@ __all__ = [
     "pool_windows",
     "all_gather_slots",
     "visible_pools",
+    "visible_slots",
     "top_pools",
     "by_score",
     "pool_tokens",
@@ -92,22 +110,32 @@ def slot_capacity(local_len: int, kpool: int) -> int:
 def pool_slots(doc_ids: torch.Tensor, kpool: int, cp_size: int) -> torch.Tensor:
     """int64 ``[batch, cp_size * C]``: global end positions of every rank's pools, -1 for empty.
 
-    ``C = slot_capacity(seq // cp_size, kpool)``; rank ``r``'s pools fill slots
-    ``[r*C, (r+1)*C)`` in ascending order, so valid entries ascend along the row. Computed from
-    the replicated map on every rank (same answer everywhere, no communication).
+    ``C = slot_capacity(seq // cp_size, kpool)``; slot ``r*C + c`` holds the pool end among
+    rank ``r``'s local positions ``[c*kpool, (c+1)*kpool)`` (at most one), so valid entries
+    ascend along the row and :func:`slot_of` maps a position to its slot. Computed from the
+    replicated map on every rank (same answer everywhere, no communication).
     """
     batch, seq = doc_ids.shape
     local = seq // cp_size
     cap = slot_capacity(local, kpool)
     ends = pool_ends(doc_ids, kpool).view(batch, cp_size, local)
-    count = torch.cumsum(ends, -1, dtype=torch.int32).contiguous()  # [b, r, L]
-    want = torch.arange(1, cap + 1, dtype=torch.int32, device=doc_ids.device)
-    want = want.expand(batch, cp_size, cap).contiguous()
-    # the (c+1)-th pool end of a rank is the first position where the running count reaches c+1
-    where = torch.searchsorted(count, want)  # [b, r, C], == local when there is none
-    base = torch.arange(cp_size, device=doc_ids.device)[:, None] * local
-    slots = torch.where(where < local, where + base, -1)
-    return slots.flatten(1)
+    ends = torch.cat([ends, ends.new_zeros(batch, cp_size, cap * kpool - local)], -1)
+    offset = torch.arange(kpool, device=doc_ids.device)
+    at = torch.where(ends.view(batch, cp_size, cap, kpool), offset, -1).amax(-1)  # [b, r, C]
+    first = torch.arange(cp_size, device=doc_ids.device)[:, None] * local + (
+        torch.arange(cap, device=doc_ids.device) * kpool
+    )
+    return torch.where(at >= 0, first + at, -1).flatten(1)
+
+
+def slot_of(position: int, local_len: int, kpool: int) -> int:
+    """The slot of :func:`pool_slots` that a pool ending at global ``position`` occupies.
+
+    >>> slot_of(9, 8, 4)  # rank 1, local position 1: its first slot
+    2
+    """
+    cap = slot_capacity(local_len, kpool)
+    return (position // local_len) * cap + (position % local_len) // kpool
 
 
 def local_slots(slots: torch.Tensor, context: PackedContext, kpool: int) -> torch.Tensor:
@@ -150,10 +178,16 @@ def all_gather_slots(per_slot: torch.Tensor, context: PackedContext) -> torch.Te
 def visible_pools(slots: torch.Tensor, context: PackedContext) -> torch.Tensor:
     """bool ``[batch, local_seq, P]``: slot ``j`` holds a pool visible to the local query
     (``doc(end) == doc(t) != 0`` and ``end <= t``)."""
-    doc_ids = context.doc_ids
+    return visible_slots(slots, context.doc_ids, context.seq_start, context.local_seq_len)
+
+
+def visible_slots(slots: torch.Tensor, doc_ids: torch.Tensor, start: int,
+                  length: int) -> torch.Tensor:
+    """bool ``[batch, length, P]``: :func:`visible_pools` for the queries ``start .. start +
+    length - 1`` (global positions) and the pool ends ``slots [batch, P]`` (-1 = empty)."""
     doc_end = doc_ids.gather(1, slots.clamp(min=0))  # [b, P]
-    t = torch.arange(context.seq_start, context.seq_end, device=doc_ids.device)
-    doc_q = context.local_doc_ids
+    t = torch.arange(start, start + length, device=doc_ids.device)
+    doc_q = doc_ids[:, start : start + length]
     same = (doc_end[:, None, :] == doc_q[:, :, None]) & (doc_q != PAD_DOC_ID)[:, :, None]
     return same & (slots >= 0)[:, None, :] & (slots[:, None, :] <= t[None, :, None])
 
@@ -304,20 +338,20 @@ def plan_pools(context: PackedContext, kpool: int) -> PoolPlan:
 
 
 def gather_pool_keys(local_keys: torch.Tensor, context: PackedContext) -> torch.Tensor:
-    """This rank's pooled keys ``[batch, C, Di]`` -> every rank's, fp32, transposed for the
-    score matmul: ``[batch, Di, P]`` (one all-gather, no gradient)."""
-    return all_gather_slots(local_keys, context).float().transpose(1, 2)
+    """This rank's pooled keys ``[batch, C, Di]`` -> every rank's, fp32: ``[batch, P, Di]`` in
+    slot order (one all-gather, no gradient)."""
+    return all_gather_slots(local_keys, context).float()
 
 
 def relu_head_scores(q: torch.Tensor, keys_t: torch.Tensor,
                      head_weights: torch.Tensor | None = None,
                      scale: float | None = None) -> torch.Tensor:
-    """fp32 ``[batch, local, P]``: ``sum_h w_h * relu(scale * q_h . k_p)``.
+    """fp32 ``[batch, queries, P]``: ``sum_h w_h * relu(scale * q_h . k_p)``.
 
-    ``q`` fp32 ``[batch, local, heads, Di]``, ``keys_t`` from :func:`gather_pool_keys`;
-    ``head_weights`` ``[batch, local, heads]`` (``None``: 1) and ``scale`` (``None``: no
-    multiply, so the arithmetic is exactly the unscaled one). One ``[local, P]`` matmul per head
-    bounds the memory.
+    ``q`` fp32 ``[batch, queries, heads, Di]``, ``keys_t`` fp32 ``[batch, Di, P]``;
+    ``head_weights`` ``[batch, queries, heads]`` (``None``: 1) and ``scale`` (``None``: no
+    multiply, so the arithmetic is exactly the unscaled one). One ``[queries, P]`` matmul per
+    head bounds the memory.
     """
     score = None
     for h in range(q.shape[2]):
@@ -329,22 +363,111 @@ def relu_head_scores(q: torch.Tensor, keys_t: torch.Tensor,
     return score
 
 
+#: Default size, in score elements (queries x slots, all batch rows), of one query chunk.
+SCORE_CHUNK_ELEMENTS = 1 << 20
+
+
+def slot_window(first: int, last: int, band: int, local_len: int, kpool: int,
+                n_slots: int) -> tuple[int, int]:
+    """``(s0, s1)``: the slots that can hold a pool visible to a query in ``[first, last]``
+    (global positions): those of positions ``[first - band + 1, last]``."""
+    lo = slot_of(max(0, first - band + 1), local_len, kpool)
+    return lo, min(n_slots, slot_of(last, local_len, kpool) + 1)
+
+
+def score_chunks(local_len: int, seq_start: int, band: int, kpool: int, n_slots: int,
+                 chunk: int) -> list[tuple[int, int, int, int]]:
+    """``(r0, r1, s0, s1)`` per chunk of ``chunk`` local queries: rows ``r0:r1`` score the
+    slots ``s0:s1`` (:func:`slot_window`)."""
+    out = []
+    for r0 in range(0, local_len, chunk):
+        r1 = min(local_len, r0 + chunk)
+        out.append((r0, r1, *slot_window(seq_start + r0, seq_start + r1 - 1, band, local_len,
+                                          kpool, n_slots)))  # fmt: skip
+    return out
+
+
+def score_chunk_rows(batch: int, local_len: int, band: int, kpool: int) -> int:
+    """Default queries per chunk: about :data:`SCORE_CHUNK_ELEMENTS` scores per chunk."""
+    rows = max(1, local_len)
+
+    def window(n):  # slots of n queries and the band behind them, rank crossings included
+        return (n + band) // kpool + 2 + (n + band) // max(1, local_len)
+
+    while rows > 1 and batch * rows * window(rows) > SCORE_CHUNK_ELEMENTS:
+        rows = (rows + 1) // 2
+    return rows
+
+
+def scored_pairs(context: PackedContext, kpool: int, chunk: int | None = None) -> int:
+    """(query, slot) pairs :func:`select_pools` scores per batch row on this rank (the full
+    matrix is ``local_seq * P``)."""
+    local = context.local_seq_len
+    n_slots = context.cp_size * slot_capacity(local, kpool)
+    chunk = chunk or score_chunk_rows(context.batch_size, local, context.key_band, kpool)
+    return sum((r1 - r0) * (s1 - s0) for r0, r1, s0, s1 in
+               score_chunks(local, context.seq_start, context.key_band, kpool, n_slots, chunk))
+
+
+@torch.library.custom_op("fcp::pool_top", mutates_args=())
+def pool_top(q: torch.Tensor, keys: torch.Tensor, head_weights: Optional[torch.Tensor],
+             slots: torch.Tensor, doc_ids: torch.Tensor, seq_start: int, kpool: int, band: int,
+             n_pools: int, scale: Optional[float], divisor: Optional[float],
+             chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`top_pools` of :func:`relu_head_scores` (divided by ``divisor`` if given) for every
+    local query, ``chunk`` queries at a time, each chunk against its :func:`slot_window` only.
+
+    ``q`` fp32 ``[b, L, Hi, Di]``, ``keys`` fp32 ``[b, P, Di]``, ``slots`` the pool ends ``[b,
+    P]``; returns ``(slot, chosen, chosen_score)`` ``[b, L, n_pools]`` with global slot ids."""
+    batch, local = q.shape[:2]
+    slot = q.new_zeros(batch, local, n_pools, dtype=torch.int64)
+    chosen = q.new_zeros(batch, local, n_pools, dtype=torch.bool)
+    picked = q.new_zeros(batch, local, n_pools)
+    for r0, r1, s0, s1 in score_chunks(local, seq_start, band, kpool, slots.shape[1], chunk):
+        hw = None if head_weights is None else head_weights[:, r0:r1]
+        score = relu_head_scores(q[:, r0:r1], keys[:, s0:s1].transpose(1, 2), hw, scale)
+        if divisor is not None:
+            score = score / divisor
+        vis = visible_slots(slots[:, s0:s1], doc_ids, seq_start + r0, r1 - r0)
+        sl, ok, sc = top_pools(score, vis, n_pools)
+        slot[:, r0:r1], chosen[:, r0:r1], picked[:, r0:r1] = sl + s0, ok, sc
+    return slot, chosen, picked
+
+
+@pool_top.register_fake
+def _(q, keys, head_weights, slots, doc_ids, seq_start, kpool, band, n_pools, scale, divisor,
+      chunk):  # fmt: skip
+    shape = (*q.shape[:2], n_pools)
+    return (q.new_empty(shape, dtype=torch.int64), q.new_empty(shape, dtype=torch.bool),
+            q.new_empty(shape))  # fmt: skip
+
+
 #: Where the tail goes in a row: after ``min(n_pools, complete pools of the document)`` pool
 #: slots (GLM's layout), right after the chosen pools (QSA's: valid ids first), or nowhere.
 TAIL_LAYOUTS = ("after_document_pools", "after_chosen", "none")
 
 
-def select_pools(score: torch.Tensor, plan: PoolPlan, context: PackedContext, kpool: int,
-                 n_pools: int, *, tail: str,
-                 ascending: torch.Tensor | None = None) -> torch.Tensor:
+def select_pools(q: torch.Tensor, keys: torch.Tensor, plan: PoolPlan, context: PackedContext,
+                 kpool: int, n_pools: int, *, tail: str, ascending: torch.Tensor | None = None,
+                 head_weights: torch.Tensor | None = None, scale: float | None = None,
+                 divisor: float | None = None, chunk: int | None = None) -> torch.Tensor:
     """Global token ids ``[batch, local, n_pools * kpool (+ kpool - 1)]`` of the chosen pools.
 
-    The ``n_pools`` best visible pools by ``score`` (:func:`top_pools`' tie rule), ordered by
+    Scores ``relu_head_scores(q, keys, head_weights, scale)`` (then ``/ divisor`` if given) of
+    ``q`` fp32 ``[batch, local, heads, Di]`` against ``keys`` fp32 ``[batch, P, Di]``
+    (:func:`gather_pool_keys`), ``chunk`` queries at a time (default
+    :func:`score_chunk_rows`; results do not depend on it or on ``context.band``, bitwise),
+    then the ``n_pools`` best visible pools (:func:`top_pools`' tie rule), ordered by
     descending score, or ascending where ``ascending`` (bool ``[batch, local, 1]``) holds;
     each pool's tokens ascending; ``-1`` for unfilled entries; then the tail per ``tail``
     (:data:`TAIL_LAYOUTS`; none when ``kpool == 1``).
     """
-    slot, chosen, chosen_score = top_pools(score, visible_pools(plan.slots, context), n_pools)
+    band = context.key_band
+    if chunk is None:
+        chunk = score_chunk_rows(q.shape[0], context.local_seq_len, band, kpool)
+    slot, chosen, chosen_score = pool_top(q, keys, head_weights, plan.slots, context.doc_ids,
+                                          context.seq_start, kpool, band, n_pools, scale,
+                                          divisor, chunk)  # fmt: skip
     ranked, ranked_ok = by_score(slot, chosen, chosen_score)
     if ascending is None:
         slot, chosen = ranked, ranked_ok

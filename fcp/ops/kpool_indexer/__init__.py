@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fcp.checks import check_bool, check_tensor
+from fcp.checks import check_bool, check_positive_int, check_tensor
 from fcp.context import PackedContext, check_context
 from fcp.ops.kit.common import choose_backend, default_scale, finite_or_zero
 from fcp.ops.kit.pools import check_selection
@@ -45,7 +45,7 @@ def check_kpool_inputs(name, index_q, index_k, gate_logits, ape, head_weights, b
 def kpool_indexer(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: torch.Tensor,
                   ape: torch.Tensor, head_weights: torch.Tensor, context: PackedContext, *,
                   topk: int, kpool: int, select_tail: bool = True, scale: float | None = None,
-                  backend: str = "auto") -> torch.Tensor:
+                  query_chunk: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Global token ids each query attends to, by GLM-5.3-Flash's k-pool DSA indexer.
 
     Args (the indexer's projections of this rank's tokens, as transformers'
@@ -63,6 +63,9 @@ def kpool_indexer(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: tor
         select_tail: append the tokens of the query's incomplete pool
             (``index_kpool_always_select_tail``, default ``True``).
         scale: score scale inside the ``relu``, default ``Di ** -0.5``.
+        query_chunk: queries scored at a time (transient memory ``O(query_chunk * (query_chunk
+            + context.band) / kpool)`` scores); default: about 1M scores per chunk. Results do
+            not depend on it, bitwise.
         backend: ``"auto"`` (= ``"pooled"``) or ``"pooled"``.
 
     Returns:
@@ -77,8 +80,10 @@ def kpool_indexer(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: tor
     whose fp32 scores tie within rounding; bitwise the same under CP and without, and bitwise
     independent of other documents (NaN/inf in another document's inputs included). Under CP:
     one ``kpool - 1`` token left halo of ``(index_k, gate_logits)`` and one all-gather of
-    ``ceil(local_seq / kpool)`` pooled keys per rank (``Di`` values each). No host
-    synchronisation, static shapes.
+    ``ceil(local_seq / kpool)`` pooled keys per rank (``Di`` values each). Cost: each query is
+    scored against the pools of the ``context.band`` positions before it (not the whole row),
+    and results do not depend on ``context.band`` either, bitwise. No host synchronisation,
+    static shapes.
 
     Example (one document of 9 tokens, ``kpool = 4``, ``topk = 4``: one pool per query)::
 
@@ -92,10 +97,12 @@ def kpool_indexer(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: tor
     check_kpool_inputs(name, index_q, index_k, gate_logits, ape, head_weights,
                        context.batch_size, context.local_seq_len, topk, kpool)  # fmt: skip
     select_tail = check_bool(select_tail, "select_tail", fn=name)
+    if query_chunk is not None:
+        query_chunk = check_positive_int(query_chunk, "query_chunk", fn=name)
     backend = choose_backend(name, backend, BACKENDS, "pooled")
     scale = default_scale(index_q.shape[-1], scale)
     index_q, index_k, gate_logits, ape, head_weights = (
         finite_or_zero(t.detach()) for t in (index_q, index_k, gate_logits, ape, head_weights)
     )
     return _RUN[backend](index_q, index_k, gate_logits, ape, head_weights, context, topk, kpool,
-                         select_tail, scale)  # fmt: skip
+                         select_tail, scale, query_chunk)  # fmt: skip

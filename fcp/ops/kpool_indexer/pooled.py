@@ -5,9 +5,10 @@ tokens of ``(index_k, gate_logits)`` behind the end (a ``kpool - 1`` token left 
 part of a pool that starts on an earlier rank), compacts them into ``ceil(local / kpool)``
 static slots and all-gathers the slots: ``[batch, cp_size * slots, Di]`` in ``index_k``'s dtype,
 about ``Di / kpool`` values per token. Nothing else crosses ranks: the slot table comes from the
-replicated doc-id map (:mod:`fcp.ops.kit.pools`). Each query then scores every slot (``O(local x
-seq / kpool)`` fp32 scores, one matmul per index head), keeps the visible ones and takes the
-top ``topk // kpool`` with fcp's tie rule.
+replicated doc-id map (:mod:`fcp.ops.kit.pools`). Each chunk of queries then scores the slots
+its documents can reach (``context.band`` positions back: ``O(local x band / kpool)`` fp32
+scores, one matmul per index head and chunk; a chunk's scores bound the transient memory),
+keeps the visible ones and takes the top ``topk // kpool`` with fcp's tie rule.
 
 Bitwise: a pooled key is computed by the same arithmetic on the same tokens whatever the rank
 layout, and a query's scores involve only its document's pools, so the selection is the same
@@ -23,7 +24,6 @@ from fcp.ops.kit.pools import (
     gather_pool_keys,
     plan_pools,
     pool_windows,
-    relu_head_scores,
     select_pools,
 )
 
@@ -50,11 +50,13 @@ def pooled_keys(index_k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Ten
 
 def kpool_indexer_pooled(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: torch.Tensor,
                          ape: torch.Tensor, head_weights: torch.Tensor, context: PackedContext,
-                         topk: int, kpool: int, select_tail: bool, scale: float) -> torch.Tensor:
+                         topk: int, kpool: int, select_tail: bool, scale: float,
+                         query_chunk: int | None = None) -> torch.Tensor:
     """int64 ``[batch, local_seq, W]`` global token ids (see :mod:`.reference`)."""
     plan = plan_pools(context, kpool)
-    keys_t = gather_pool_keys(pooled_keys(index_k, gate_logits, ape, plan.ends, context, kpool),
-                              context)  # fmt: skip
-    score = relu_head_scores(index_q.float(), keys_t, head_weights.float(), scale)
+    keys = gather_pool_keys(pooled_keys(index_k, gate_logits, ape, plan.ends, context, kpool),
+                            context)  # fmt: skip
     tail = "after_document_pools" if select_tail else "none"
-    return select_pools(score, plan, context, kpool, topk // kpool, tail=tail)
+    return select_pools(index_q.float(), keys, plan, context, kpool, topk // kpool, tail=tail,
+                        head_weights=head_weights.float(), scale=scale,
+                        chunk=query_chunk)  # fmt: skip

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fcp.checks import check_float, check_tensor
+from fcp.checks import check_float, check_positive_int, check_tensor
 from fcp.context import PackedContext, check_context
 from fcp.ops.kit.common import choose_backend, finite_or_zero
 from fcp.ops.kit.pools import check_selection
@@ -54,7 +54,7 @@ def check_qsa_inputs(name, index_q, index_k, q_norm_weight, k_norm_weight, cos, 
 def qsa_indexer(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weight: torch.Tensor,
                 k_norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 context: PackedContext, *, budget: int, ratio: int, eps: float = 1e-6,
-                backend: str = "auto") -> torch.Tensor:
+                query_chunk: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Global token ids each query attends to, by Qwen3.8-Flash-Next's QSA indexer.
 
     Args (NeMo's ``Qwen3_8_FlashNextQSAIndexer`` names in brackets):
@@ -74,6 +74,9 @@ def qsa_indexer(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weight: tor
         ratio: tokens per block (``indexer_compress_ratio``). Blocks start at every document
             start and may straddle rank boundaries; any local length works.
         eps: RMSNorm epsilon (``rms_norm_eps``).
+        query_chunk: queries scored at a time (transient memory ``O(query_chunk * (query_chunk
+            + context.band) / ratio)`` scores); default: about 1M scores per chunk. Results do
+            not depend on it, bitwise.
         backend: ``"auto"`` (= ``"pooled"``) or ``"pooled"``.
 
     Returns:
@@ -89,17 +92,21 @@ def qsa_indexer(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weight: tor
     document start) wherever its ``torch.topk`` has no tie at the cutoff; bitwise the same under
     CP and without, and bitwise independent of other documents. Under CP: one ``ratio - 1``
     token left halo of ``(index_k, cos, sin)`` and one all-gather of ``ceil(local_seq / ratio)``
-    compressed keys per rank. No host synchronisation, static shapes.
+    compressed keys per rank. Cost: each query is scored against the blocks of the
+    ``context.band`` positions before it (not the whole row), and results do not depend on
+    ``context.band`` either, bitwise. No host synchronisation, static shapes.
     """
     name = "qsa_indexer"
     check_context(context, fn=name)
     check_qsa_inputs(name, index_q, index_k, q_norm_weight, k_norm_weight, cos, sin,
                      context.batch_size, context.local_seq_len, budget, ratio)  # fmt: skip
     eps = check_float(eps, "eps", fn=name, positive=True)
+    if query_chunk is not None:
+        query_chunk = check_positive_int(query_chunk, "query_chunk", fn=name)
     backend = choose_backend(name, backend, BACKENDS, "pooled")
     index_q, index_k, q_norm_weight, k_norm_weight, cos, sin = (
         finite_or_zero(t.detach())
         for t in (index_q, index_k, q_norm_weight, k_norm_weight, cos, sin)
     )
     return _RUN[backend](index_q, index_k, q_norm_weight, k_norm_weight, cos, sin, context,
-                         budget, ratio, eps)  # fmt: skip
+                         budget, ratio, eps, query_chunk)  # fmt: skip

@@ -6,8 +6,9 @@ first token), from a ``ratio - 1`` token left halo of ``(index_k, cos, sin)`` fo
 start on an earlier rank, compacts them into ``ceil(local / ratio)`` static slots and
 all-gathers the slots: ``[batch, cp_size * slots, Di]`` in ``index_k``'s dtype, ``Di / ratio``
 values per token (NeMo's packed CP path all-gathers the raw index keys and the RoPE tables of
-every token instead). Queries score every slot (one matmul per index head), keep the visible
-blocks of their document and take the top ``budget // ratio`` with fcp's tie rule; queries in
+every token instead). Each chunk of queries scores the slots its documents can reach
+(``context.band`` positions back; one matmul per index head and chunk), keeps the visible
+blocks of their document and takes the top ``budget // ratio`` with fcp's tie rule; queries in
 the dense phase keep every visible block in ascending order, as NeMo does.
 """
 
@@ -23,7 +24,6 @@ from fcp.ops.kit.pools import (
     gather_pool_keys,
     plan_pools,
     pool_windows,
-    relu_head_scores,
     select_pools,
 )
 
@@ -50,7 +50,7 @@ def compressed_keys(index_k: torch.Tensor, k_norm_weight: torch.Tensor, cos: tor
 def qsa_indexer_pooled(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weight: torch.Tensor,
                        k_norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        context: PackedContext, budget: int, ratio: int,
-                       eps: float) -> torch.Tensor:
+                       eps: float, query_chunk: int | None = None) -> torch.Tensor:
     """int64 ``[batch, local_seq, budget + ratio - 1]`` global token ids (see :mod:`.reference`)."""
     k_blocks = budget // ratio
     q = rotate_half_rope(
@@ -58,8 +58,8 @@ def qsa_indexer_pooled(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weig
     )
     plan = plan_pools(context, ratio)
     keys = compressed_keys(index_k, k_norm_weight, cos, sin, plan.ends, context, ratio, eps)
-    score = relu_head_scores(q.float(), gather_pool_keys(keys, context)) / math.sqrt(q.shape[-1])
     # dense phase (every visible block fits the budget): ascending blocks, as NeMo emits them
     dense = ((context.local_position_ids + 1) // ratio <= k_blocks)[..., None]
-    return select_pools(score, plan, context, ratio, k_blocks, tail="after_chosen",
-                        ascending=dense)  # fmt: skip
+    return select_pools(q.float(), gather_pool_keys(keys, context), plan, context, ratio,
+                        k_blocks, tail="after_chosen", ascending=dense,
+                        divisor=math.sqrt(q.shape[-1]), chunk=query_chunk)  # fmt: skip
