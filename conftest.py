@@ -2,6 +2,8 @@
 
 * ``rank_pool``: a session-wide :class:`tests.support.rank_pool.RankPool` of 4 gloo rank
   processes (started when first requested, ~5 s); see ``fcp/testing.py``.
+* ``hf_references``: transformers' per-document outputs and gradients for every family and
+  variant of :mod:`tests.support.hf_families`, from one subprocess per session.
 * ``@pytest.mark.gpu`` tests are skipped cleanly when CUDA is unavailable.
 """
 
@@ -26,6 +28,13 @@ def rank_pool():
     with RankPool(max_world_size=4, timeout=RANK_POOL_TIMEOUT_S) as pool:
         pool.start()  # pay the start-up here, not inside the first (Hypothesis) example
         yield pool
+
+
+@pytest.fixture(scope="session")
+def hf_references():
+    from tests.support import hf_families
+
+    return hf_families.references()
 
 
 def pytest_configure(config):

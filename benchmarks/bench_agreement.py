@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import fcp
 from benchmarks.bench_glm5_cp import train_step
+from benchmarks.common import Table
 from benchmarks.bench_layout import random_seq_lens
 from examples.data import PackedDocuments
 from examples.glm5_hf import Glm5NextLM
@@ -67,8 +68,10 @@ def main(argv=None) -> list[dict]:
     big = {"input_ids": ids, "labels": ids.roll(-1, 1), "seq_lens": big_lens}
     rows = []
     print(f"# shard_batch's agreement check on {args.world} gloo ranks (slowest rank, medians)")
-    print(f"{'batch':>26} {'with s':>9} {'without s':>9} {'check s':>9} {'48 B gather':>11} "
-          f"{'demo step s':>11} {'check / step':>12} {'check / shard':>13}")
+    table = Table(("batch", ">26"), ("with s", "9.5f"), ("without s", "9.5f"), ("check s", "9.5f"),
+                  ("48 B gather", "11.5f"), ("demo step s", "11.4f"), ("check / step", "12.2%"),
+                  ("check / shard", "13.1%"))  # fmt: skip
+    table.header()
     with RankPool(max_world_size=args.world, timeout=600, job_timeout=3600) as pool:
         for name, batch, with_step, repeats in (("demo: 1 x 512 tokens", demo, True,
                                                  args.repeats),
@@ -83,11 +86,9 @@ def main(argv=None) -> list[dict]:
                        check_over_step=check / t["step"] if "step" in t else None,
                        check_over_shard=check / t["skip"])  # fmt: skip
             rows.append(row)
-            step = f"{t['step']:11.4f} {row['check_over_step']:12.2%}" if "step" in t else \
-                f"{'-':>11} {'-':>12}"  # fmt: skip
-            print(f"{name:>26} {t['check']:9.5f} {t['skip']:9.5f} {check:9.5f} "
-                  f"{t['gather']:11.5f} {step} "
-                  f"{row['check_over_shard']:13.1%}", flush=True)
+            step = (t["step"], row["check_over_step"]) if "step" in t else ("-", "-")
+            table.row(name, t["check"], t["skip"], check, t["gather"], *step,
+                      row["check_over_shard"])  # fmt: skip
     return rows
 
 

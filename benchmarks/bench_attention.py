@@ -31,6 +31,7 @@ from fcp.context import PackedContext
 from fcp.layout import doc_ids_from_seq_lens
 from fcp.ops.compressed import compressed_attention
 from fcp.ops.doc_causal import doc_causal_attention
+from benchmarks.common import Table
 from examples.comm_accounting import CommBytes
 from tests.support.rank_pool import RankPool
 
@@ -119,8 +120,9 @@ def main(argv=None) -> list[dict]:
     rows = []
     with RankPool(max_world_size=max(args.worlds), timeout=600) as pool:
         print("# forward bytes received per rank (fp32): operator vs full K/V all-gather")
-        print(f"{'op':>10} {'world':>5} {'seq':>6} {'predicted':>10} {'measured':>10} "
-              f"{'full K/V':>10} {'op/full':>8}")
+        table = Table(("op", ">10"), ("world", "5d"), ("seq", "6d"), ("predicted", "10d"),
+                      ("measured", "10d"), ("full K/V", "10d"), ("op/full", "8.3f"))
+        table.header()
         print("# per-op forward+backward time: single process vs CP (1 thread per process)")
         for seq in args.lengths:
             for name in OPS:
@@ -134,9 +136,9 @@ def main(argv=None) -> list[dict]:
                                      cp_ms=t_cp * 1e3, speedup=t_single / t_cp,
                                      predicted_bytes=pred, measured_bytes=measured,
                                      full_kv_bytes=full))
-                    print(f"{name:>10} {world:5d} {seq:6d} {pred:10d} {measured:10d} {full:10d} "
-                          f"{pred / full:8.3f}   single {t_single*1e3:8.1f} ms  CP "
-                          f"{t_cp*1e3:8.1f} ms  single/CP {t_single / t_cp:5.2f}", flush=True)
+                    table.row(name, world, seq, pred, measured, full, pred / full,
+                              tail=f"   single {t_single*1e3:8.1f} ms  CP {t_cp*1e3:8.1f} ms  "
+                                   f"single/CP {t_single / t_cp:5.2f}")  # fmt: skip
     return rows
 
 

@@ -13,18 +13,17 @@ backward:
 * memory: the peak of bytes allocated by PyTorch's CPU allocator during one forward + backward
   (from the profiler's memory events), and the bytes saved for the backward (unique storages).
 
-    .venv/bin/python benchmarks/bench_gdn.py                       # 1k-8k tokens
-    .venv/bin/python benchmarks/bench_gdn.py --lengths 1024 --repeats 3
+    .venv/bin/python -m benchmarks.bench_gdn                    # 1k-8k tokens
+    .venv/bin/python -m benchmarks.bench_gdn --lengths 1024 --repeats 3
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import time
 
 import torch
 
+from benchmarks.common import interleaved_medians, parser, with_threads
 from fcp.context import PackedContext
 from fcp.ops.kda import kda
 
@@ -83,21 +82,12 @@ def saved_bytes(xs, ctx, broadcast: bool) -> int:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p = parser(__doc__, lengths=[1024, 2048, 4096, 8192], repeats=5, wall=True)
     p.add_argument("--key-heads", type=int, default=2)
     p.add_argument("--value-heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--wall", action="store_true", help="time wall clock instead of CPU time")
     args = p.parse_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        return _run(args)
-    finally:
-        torch.set_num_threads(threads)  # `python -m benchmarks` runs the others in this process
+    return with_threads(args.threads, _run, args)
 
 
 def _run(args) -> list[dict]:
@@ -112,15 +102,9 @@ def _run(args) -> list[dict]:
     for seq in args.lengths:
         xs = make(seq, args.key_heads, args.value_heads, args.dim)
         ctx = PackedContext(torch.ones(1, seq, dtype=torch.long))
-        times = {False: [], True: []}
-        for broadcast in (False, True):  # warm-up
-            step(xs, ctx, broadcast)
-        for _ in range(args.repeats):
-            for broadcast in (False, True):
-                t0 = clock()
-                step(xs, ctx, broadcast)
-                times[broadcast].append(clock() - t0)
-        t_s, t_b = (statistics.median(times[b]) for b in (False, True))
+        steps = {b: (lambda b=b: step(xs, ctx, b)) for b in (False, True)}
+        times = interleaved_medians(steps, args.repeats, clock)
+        t_s, t_b = times[False], times[True]
         p_s, p_b = (peak_bytes(xs, ctx, b) for b in (False, True))
         s_s, s_b = (saved_bytes(xs, ctx, b) for b in (False, True))
         row = dict(seq=seq, scalar_s=t_s, broadcast_s=t_b, time_ratio=t_b / t_s,

@@ -21,8 +21,8 @@ has no packing: on packed rows it would run once per document). Shapes: Mamba2-l
 Time: median of ``--repeats`` runs after one warm-up, process CPU time with ``--threads`` 1 (the
 variants interleaved; steadier than wall time on a shared machine).
 
-    .venv/bin/python benchmarks/bench_gla.py
-    .venv/bin/python benchmarks/bench_gla.py --lengths 1024 4096 --repeats 3
+    .venv/bin/python -m benchmarks.bench_gla
+    .venv/bin/python -m benchmarks.bench_gla --lengths 1024 4096 --repeats 3
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import interleaved_medians, parser, with_threads
 from fcp.context import PackedContext
 from fcp.ops.gla import gla
 
@@ -82,40 +83,19 @@ def step(fn, xs: dict) -> torch.Tensor:
     return out.detach()
 
 
-def timed(fns: dict, xs: dict, repeats: int) -> dict:
-    """Median process CPU seconds of ``step`` per function, the functions interleaved."""
-    for fn in fns.values():  # warm-up
-        step(fn, xs)
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.process_time()
-            step(fn, xs)
-            times[name].append(time.process_time() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def main(argv=None) -> dict | None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, lengths=[1024, 2048, 4096, 8192, 16384], repeats=5)
     p.add_argument("--compare-len", type=int, default=4096)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--groups", type=int, default=1)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--state", type=int, default=128)
     p.add_argument("--hf-chunk", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--sweep", choices=["default", "heap"], help=argparse.SUPPRESS)  # one sweep
     args = p.parse_args(argv)
     if args.sweep:
         return _sweep(args)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        return _run(args)
-    finally:
-        torch.set_num_threads(threads)  # `python -m benchmarks` runs the others in this process
+    return with_threads(args.threads, _run, args)
 
 
 def _run(args) -> dict:
@@ -129,7 +109,8 @@ def _run(args) -> dict:
     fns = {"fcp": lambda t: fcp_ssd(t, ctx), "hf": lambda t: hf_ssd(t, args.hf_chunk)}
     ours, theirs = step(fns["fcp"], xs), step(fns["hf"], xs)
     diff = (ours - theirs).abs().max() / theirs.abs().max()
-    t = timed(fns, xs, args.repeats)
+    t = interleaved_medians({name: (lambda fn=fn: step(fn, xs)) for name, fn in fns.items()},
+                            args.repeats)  # fmt: skip
     compare = dict(seq=seq, fcp_s=t["fcp"], hf_s=t["hf"], ratio=t["hf"] / t["fcp"],
                    rel_diff=float(diff), hf_chunk=args.hf_chunk)  # fmt: skip
     print(f"\n{seq} tokens: fcp.gla {t['fcp']:.3f} s, transformers mamba2_chunk_scan (chunk "

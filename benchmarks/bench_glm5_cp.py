@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 import fcp
+from benchmarks.common import Table, one_and_two_ranks, rank_times, saved_bytes
 from examples.comm_accounting import CommBytes
 from examples.data import PackedDocuments
 from examples.glm5_hf import Glm5NextLM
-from tests.support.rank_pool import RankPool
 
 
 def train_step(model, local, ctx):
@@ -43,28 +41,14 @@ def cp_job(env, seq: int, repeats: int) -> dict:
     batch = PackedDocuments(seq, 1, seed=0).batches(1)[0]
     group = env.group if env.world_size > 1 else None
     local, ctx = fcp.shard_batch(group, batch)
-    saved = [0]
-
-    def pack(t):
-        saved[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        train_step(model, local, ctx)
-    times = []
-    for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        if group is not None:
-            dist.barrier(group)
-        t0 = time.perf_counter()
-        train_step(model, local, ctx)
-        times.append(time.perf_counter() - t0)
+    _, saved = saved_bytes(lambda: train_step(model, local, ctx))
+    times, _ = rank_times(lambda: train_step(model, local, ctx), model, repeats, group)
     # bytes received by one DSA layer's forward: its mixer alone, on this rank's input
     dsa = model.backbone.layers[3].self_attn
     x = torch.randn(1, ctx.local_seq_len, model.config.hidden_size)
     with torch.no_grad(), CommBytes(ctx.cp_rank, ctx.cp_size) as comm:
         dsa(x, cp_context=ctx)
-    return dict(seconds=statistics.median(times), saved=saved[0], dsa_received=comm.received)
+    return dict(seconds=statistics.median(times), saved=saved, dsa_received=comm.received)
 
 
 def layer_bytes(cfg, world: int, local: int, elem: int) -> dict:
@@ -95,24 +79,20 @@ def main(argv=None) -> list[dict]:
     cfg = json.loads(CONFIG.read_text())
     rows = []
     print("# the demo's GLM-5.3-Flash, one packed row, fwd+bwd: CP 2 vs 1 rank")
-    print(f"{'tokens':>7} {'1 rank s':>9} {'CP2 s':>7} {'speed-up':>8} {'saved MB 1':>10} "
-          f"{'saved MB/rank 2':>15} {'ratio':>6} {'DSA bytes/rank':>14} {'expanded K/V':>12} "
-          f"{'hidden':>8}")
-    with RankPool(max_world_size=2, timeout=600, job_timeout=3600) as pool:
-        for seq in args.lengths:
-            one = pool.run(cp_job, 1, seq, args.repeats)[0]
-            two = pool.run(cp_job, 2, seq, args.repeats)
-            t2 = max(r["seconds"] for r in two)
-            s2 = max(r["saved"] for r in two)
-            got = max(r["dsa_received"] for r in two)
-            alt = layer_bytes(cfg, 2, seq // 2, 4)
-            row = dict(tokens=seq, single_s=one["seconds"], cp2_s=t2,
-                       speedup=one["seconds"] / t2, saved_ratio=one["saved"] / s2,
-                       dsa_bytes=got, **alt)  # fmt: skip
-            rows.append(row)
-            print(f"{seq:7d} {one['seconds']:9.3f} {t2:7.3f} {row['speedup']:8.2f} "
-                  f"{one['saved'] / 2**20:10.1f} {s2 / 2**20:15.1f} {row['saved_ratio']:6.2f} "
-                  f"{got:14d} {alt['expanded_kv']:12d} {alt['hidden']:8d}", flush=True)
+    table = Table(("tokens", "7d"), ("1 rank s", "9.3f"), ("CP2 s", "7.3f"), ("speed-up", "8.2f"),
+                  ("saved MB 1", "10.1f"), ("saved MB/rank 2", "15.1f"), ("ratio", "6.2f"),
+                  ("DSA bytes/rank", "14d"), ("expanded K/V", "12d"), ("hidden", "8d"))
+    table.header()
+    for seq, one, two in one_and_two_ranks(cp_job, args.lengths, args.repeats):
+        t2 = max(r["seconds"] for r in two)
+        s2 = max(r["saved"] for r in two)
+        got = max(r["dsa_received"] for r in two)
+        alt = layer_bytes(cfg, 2, seq // 2, 4)
+        row = dict(tokens=seq, single_s=one["seconds"], cp2_s=t2, speedup=one["seconds"] / t2,
+                   saved_ratio=one["saved"] / s2, dsa_bytes=got, **alt)  # fmt: skip
+        rows.append(row)
+        table.row(seq, one["seconds"], t2, row["speedup"], one["saved"] / 2**20, s2 / 2**20,
+                  row["saved_ratio"], got, alt["expanded_kv"], alt["hidden"])  # fmt: skip
     big = layer_bytes(RELEASED, 4, 32768, 2)
     print("# released shapes, 4 ranks x 32k tokens, bf16, per DSA layer per rank (forward): "
           f"latent + pooled index keys {big['latent_and_pools'] / 2**20:.0f} MiB, expanded K/V "

@@ -8,19 +8,19 @@ inside each chunk; run once) and ``naive_recurrent_kda`` (per-token loop; run on
 ``--recurrent-max`` tokens because its backward is very slow), then an inductor-compiled vs eager
 ratio at ``--compile-len``.
 
-    .venv/bin/python benchmarks/bench_kda.py                     # full table (several minutes)
-    .venv/bin/python benchmarks/bench_kda.py --lengths 1024 2048 --recurrent-max 1024 \
+    .venv/bin/python -m benchmarks.bench_kda                   # full table (several minutes)
+    .venv/bin/python -m benchmarks.bench_kda --lengths 1024 2048 --recurrent-max 1024 \
         --no-compile
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from benchmarks.common import parser
 from fcp.context import PackedContext
 from fcp.ops.kda import kda
 
@@ -54,17 +54,13 @@ def fwd_bwd_time(fn, xs, repeats: int, warmup: int = 1, clock=time.process_time)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p = parser(__doc__, lengths=[1024, 2048, 4096, 8192, 16384], repeats=3, wall=True)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--recurrent-max", type=int, default=4096)
     p.add_argument("--chunk-max", type=int, default=16384)
     p.add_argument("--compile-len", type=int, default=2048)
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--wall", action="store_true", help="time wall clock instead of CPU time")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.wall else time.process_time

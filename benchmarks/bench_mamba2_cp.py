@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 import fcp
-from tests.support.rank_pool import RankPool
+from benchmarks.common import Table, one_and_two_ranks, rank_times, saved_bytes
 
 SHAPES = dict(hidden_size=256, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
               ssm_state_size=64, conv_kernel=4, chunk_size=128)  # fmt: skip
@@ -66,24 +64,9 @@ def cp_job(env, seq: int, repeats: int) -> dict:
         out.pow(2).mean().backward()
         return out
 
-    saved = [0]
-
-    def pack(t):
-        saved[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = step()  # also the warm-up
-    times, cpu = [], []
-    for _ in range(repeats):
-        layer.zero_grad(set_to_none=True)
-        if group is not None:
-            dist.barrier(group)
-        t0, c0 = time.perf_counter(), time.process_time()
-        step()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return dict(seconds=times, cpu=cpu, saved=saved[0], out=out.detach())
+    out, saved = saved_bytes(step)  # also the warm-up
+    times, cpu = rank_times(step, layer, repeats, group)
+    return dict(seconds=times, cpu=cpu, saved=saved, out=out.detach())
 
 
 def main(argv=None) -> list[dict]:
@@ -94,27 +77,25 @@ def main(argv=None) -> list[dict]:
     rows = []
     print("# transformers' Nemotron-H Mamba2 mixer on fcp, one packed row, fwd+bwd, fp32: "
           "CP 2 vs 1 rank")  # fmt: skip
-    print(f"{'tokens':>7} {'1 rank s':>9} {'CP2 s':>7} {'speed-up':>8} {'1 rank cpu s':>12} "
-          f"{'CP2 cpu s':>9} {'cpu speed-up':>12} {'saved MB 1':>10} {'saved MB/rank 2':>15} "
-          f"{'ratio':>6} {'CP vs 1 rank':>12}")
-    with RankPool(max_world_size=2, timeout=600, job_timeout=3600) as pool:
-        for seq in args.lengths:
-            one = pool.run(cp_job, 1, seq, args.repeats)[0]
-            two = pool.run(cp_job, 2, seq, args.repeats)
-            t1 = statistics.median(one["seconds"])
-            t2 = statistics.median(max(r["seconds"][i] for r in two) for i in range(args.repeats))
-            c1 = statistics.median(one["cpu"])
-            c2 = statistics.median(max(r["cpu"][i] for r in two) for i in range(args.repeats))
-            s2 = max(r["saved"] for r in two)
-            cp_out = torch.cat([r["out"] for r in two], 1)
-            err = float((cp_out - one["out"]).abs().max() / one["out"].abs().max())
-            row = dict(tokens=seq, single_s=t1, cp2_s=t2, speedup=t1 / t2, single_cpu_s=c1,
-                       cp2_cpu_s=c2, cpu_speedup=c1 / c2, saved_single=one["saved"],
-                       saved_cp2=s2, saved_ratio=one["saved"] / s2, cp_error=err)  # fmt: skip
-            rows.append(row)
-            print(f"{seq:7d} {t1:9.3f} {t2:7.3f} {row['speedup']:8.2f} {c1:12.3f} {c2:9.3f} "
-                  f"{row['cpu_speedup']:12.2f} {one['saved'] / 2**20:10.1f} {s2 / 2**20:15.1f} "
-                  f"{row['saved_ratio']:6.2f} {err:12.1e}", flush=True)
+    table = Table(("tokens", "7d"), ("1 rank s", "9.3f"), ("CP2 s", "7.3f"), ("speed-up", "8.2f"),
+                  ("1 rank cpu s", "12.3f"), ("CP2 cpu s", "9.3f"), ("cpu speed-up", "12.2f"),
+                  ("saved MB 1", "10.1f"), ("saved MB/rank 2", "15.1f"), ("ratio", "6.2f"),
+                  ("CP vs 1 rank", "12.1e"))  # fmt: skip
+    table.header()
+    for seq, one, two in one_and_two_ranks(cp_job, args.lengths, args.repeats):
+        t1 = statistics.median(one["seconds"])
+        t2 = statistics.median(max(r["seconds"][i] for r in two) for i in range(args.repeats))
+        c1 = statistics.median(one["cpu"])
+        c2 = statistics.median(max(r["cpu"][i] for r in two) for i in range(args.repeats))
+        s2 = max(r["saved"] for r in two)
+        cp_out = torch.cat([r["out"] for r in two], 1)
+        err = float((cp_out - one["out"]).abs().max() / one["out"].abs().max())
+        row = dict(tokens=seq, single_s=t1, cp2_s=t2, speedup=t1 / t2, single_cpu_s=c1,
+                   cp2_cpu_s=c2, cpu_speedup=c1 / c2, saved_single=one["saved"],
+                   saved_cp2=s2, saved_ratio=one["saved"] / s2, cp_error=err)  # fmt: skip
+        rows.append(row)
+        table.row(seq, t1, t2, row["speedup"], c1, c2, row["cpu_speedup"], one["saved"] / 2**20,
+                  s2 / 2**20, row["saved_ratio"], err)  # fmt: skip
     return rows
 
 

@@ -9,6 +9,17 @@ import fcp
 from fcp.integrations.hf import enable_packed_cp
 from tests.support.hf_reference import build, per_document_jobs
 
+#: seconds a pool job may take (the first compiles on 4 ranks sharing 2 cores)
+POOL_TIMEOUT_S = 120
+
+
+def documents(lengths: list[int], hidden: int, seed: int) -> dict:
+    """A pool of random documents of ``lengths`` (token ids in ``[1, 128)``) and their cotangents
+    ``[n, hidden]``: ``{"docs": [...], "cots": [...]}``, what :func:`pack` reads."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(1, 128, (n,), generator=gen) for n in lengths]
+    return {"docs": docs, "cots": [torch.randn(n, hidden, generator=gen) for n in lengths]}
+
 
 def pack(reference: dict, rows: list[list[int]], seq: int):
     """A packed batch of the reference's documents ``rows`` (indices into ``reference["docs"]``),
@@ -71,46 +82,53 @@ def output_error(reference: dict, rows: list[list[int]], results: list) -> float
 
 
 def check_spanning_every_rank(rank_pool, reference: dict, family: str, config: dict, world: int,
-                              timeout: float) -> None:  # fmt: skip
-    """:func:`check` on the packing where one 37-token document spans every rank, next to a
-    1-token one, and a row of documents shorter than a conv (22, 2, 5 tokens) with a pad tail
-    (``reference`` made from the shared ``LENGTHS``); prints the measured errors."""
-    rows = [[7, 0], [6, 1, 3]]
-    results = run(rank_pool, reference, family, config, world, rows, 41, timeout)
+                              rows=((7, 0), (6, 1, 3)), seq: int = 41) -> None:  # fmt: skip
+    """:func:`check` on a packing where one document spans every rank; by default (``reference``
+    made from the shared ``LENGTHS``) the 37-token one next to a 1-token one, and a row of
+    documents shorter than a conv (22, 2, 5 tokens) with a pad tail. Prints the measured
+    errors."""
+    rows = [list(row) for row in rows]
+    results = run(rank_pool, reference, family, config, world, rows, seq)
     grad_err = check(reference, rows, results)
     out_err = output_error(reference, rows, results)
     print(f"\n[hf-{family}] {world} rank(s): max relative output error {out_err:.1e}, "
           f"max relative parameter-gradient error {grad_err:.1e}")  # fmt: skip
 
 
-def check_replacement(family: str, config: dict, mixers: tuple[str, ...]) -> None:
+def check_replacement(family: str, config: dict, kinds: dict):
     """The replacement contract on a fresh ``family`` model, whose supported transformers mixer
-    classes must be ``mixers``: ``enable_packed_cp`` returns the model, keeps its state-dict keys,
-    values and parameter objects, loads the old state dict strictly, swaps each mixer's class to
-    ``Packed<HFClass>`` (one class per kind), and is idempotent."""
-    from fcp.integrations.hf import SUPPORTED
+    classes must be the keys of ``kinds`` (``{class name: fcp mixer kind}``): ``enable_packed_cp``
+    returns the model, keeps its state-dict keys, values, buffers and parameter objects, loads
+    the old state dict strictly, swaps each mixer's class to ``Packed<HFClass>``, a subclass of
+    its kind (one class per kind), and is idempotent. Returns the model."""
+    from fcp.integrations.hf import SUPPORTED, FcpMixer
 
     model = build(family, config)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     params = dict(model.named_parameters())
+    buffers = [n for n, _ in model.named_buffers()]
     hf_classes = {n: type(m) for n, m in model.named_modules() if type(m).__name__ in SUPPORTED}
-    assert sorted({c.__name__ for c in hf_classes.values()}) == sorted(mixers)
+    assert sorted({c.__name__ for c in hf_classes.values()}) == sorted(kinds)
     assert enable_packed_cp(model) is model
     after = model.state_dict()
     assert list(after) == list(before)
     assert all(after[k].shape == v.shape and torch.equal(after[k], v) for k, v in before.items())
+    assert [n for n, _ in model.named_buffers()] == buffers  # RoPE adds no buffer
     assert all(p is params[n] for n, p in model.named_parameters())  # optimizers stay valid
     assert not model.load_state_dict(before, strict=True).missing_keys  # strict: raises otherwise
-    kinds = {n: type(model.get_submodule(n)) for n in hf_classes}
+    swapped = {n: type(model.get_submodule(n)) for n in hf_classes}
+    assert sorted(n for n, m in model.named_modules() if isinstance(m, FcpMixer)) == sorted(swapped)
     for name, hf_class in hf_classes.items():
-        assert kinds[name].__name__ == f"Packed{hf_class.__name__}"
-        assert kinds[name].__bases__ == (SUPPORTED[hf_class.__name__], hf_class)
-    assert len(set(kinds.values())) == len(mixers)  # one class per kind, shared by its layers
+        assert swapped[name].__name__ == f"Packed{hf_class.__name__}"
+        assert swapped[name].__bases__ == (SUPPORTED[hf_class.__name__], hf_class)
+        assert issubclass(swapped[name], kinds[hf_class.__name__]), (name, swapped[name])
+    assert len(set(swapped.values())) == len(kinds)  # one class per kind, shared by its layers
     assert enable_packed_cp(model) is model  # idempotent
-    assert {n: type(model.get_submodule(n)) for n in hf_classes} == kinds
+    assert {n: type(model.get_submodule(n)) for n in hf_classes} == swapped
+    return model
 
 
-def compile_counts(family: str, config: dict, state_dict: dict, steps: int) -> tuple[list, int]:
+def compile_counts(family: str, config: dict, steps: int) -> tuple[list, int]:
     """Every mixer of a packed ``family`` model compiled as the demo does (``mixer.compile``,
     fullgraph, aot_eager), the model run over ``steps`` packings of one shape (outputs checked
     against eager's to 1e-5): ``(compiled frames after each step, number of mixer kinds)``."""
@@ -119,7 +137,7 @@ def compile_counts(family: str, config: dict, state_dict: dict, steps: int) -> t
     from fcp.integrations.hf import FcpMixer
     from tests.test_hf_core import packed_batch
 
-    model, eager = (packed_model(family, config, state_dict) for _ in range(2))
+    model, eager = (enable_packed_cp(build(family, config)) for _ in range(2))
     names = [n for n, m in model.named_modules() if isinstance(m, FcpMixer)]
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
@@ -165,9 +183,8 @@ def references(configs: dict, lengths: list[int], hidden: int, seed: int,
     ``families`` maps a key of ``configs`` that is not a family name (a configuration variant)
     to its family."""
     family = (families or {}).get
-    gen = torch.Generator().manual_seed(seed)
-    docs = [torch.randint(1, 128, (n,), generator=gen) for n in lengths]
-    cots = [torch.randn(n, hidden, generator=gen) for n in lengths]
+    pool = documents(lengths, hidden, seed)
+    docs, cots = pool["docs"], pool["cots"]
     states = {f: {k: v.clone() for k, v in build(family(f, f), c).state_dict().items()}
               for f, c in configs.items()}  # fmt: skip
     refs = per_document_jobs([dict(family=family(f, f), config=c, state_dict=states[f],
@@ -177,7 +194,7 @@ def references(configs: dict, lengths: list[int], hidden: int, seed: int,
 
 
 def run(rank_pool, reference: dict, family: str, config: dict, world: int, rows, seq: int,
-        timeout: float) -> list:  # fmt: skip
+        timeout: float = POOL_TIMEOUT_S) -> list:  # fmt: skip
     """Every rank's :func:`packed_forward_backward` for the packing ``rows`` of ``reference``'s
     documents (``world == 1``: in this process)."""
     args = (family, config, reference["state"], *pack(reference, rows, seq))

@@ -34,54 +34,22 @@ from fcp.ops.kda import kda
 from fcp.ops.kda.fla import fla_kda_fwd, kda_fla_static, kda_fla_varlen
 from fcp.ops.kda.reference import kda_recurrence
 from tests._fla_rank_fns import Block
+from tests.support.gpu_checks import TOLS, assert_within, check_cuda_graph_replays, errors
+from tests.support.gpu_checks import packed_rows
 from tests.support.inputs import KDA_NAMES as NAMES, kda_inputs, rel_err
-from tests.support.packing import doc_ids_from_lengths
 from tests.support.triton_tuning import limit_from_env
 
 pytestmark = pytest.mark.gpu
 
-TOLS = {torch.float32: (5e-3, 1e-2), torch.bfloat16: (2e-2, 4e-2)}
 H, HV, DK, DV = 16, 16, 128, 128
 
 if torch.cuda.is_available():
     limit_from_env()
 
 
-def packed_rows(seq: int, seed: int) -> torch.Tensor:
-    """Row 0: short documents (1-40 tokens), a long one, a pad tail. Row 1: two long documents."""
-    gen = torch.Generator().manual_seed(seed)
-    lens, used = [], 0
-    while used < seq // 2:
-        n = int(torch.randint(1, 41, (1,), generator=gen))
-        lens.append(n)
-        used += n
-    lens.append(seq - used - 37)
-    return doc_ids_from_lengths([(lens, 37), ([seq // 3, seq - seq // 3], 0)])
-
-
 def cuda_inputs(b, t, seed):
-    """fp32 inputs on the device (cast to the tested dtype by ``out_and_grads``)."""
+    """fp32 inputs on the device (cast to the tested dtype by ``errors``)."""
     return {n: x.cuda() for n, x in kda_inputs(b, t, H, HV, DK, DV, seed).items()}
-
-
-def out_and_grads(fn, inputs: dict, dtype, grad_out):
-    xs = {n: x.to(dtype).clone().requires_grad_() for n, x in inputs.items()}
-    out = fn(*(xs[n] for n in NAMES))
-    grads = torch.autograd.grad(out, [xs[n] for n in NAMES], grad_out.to(out.dtype))
-    return out.detach(), dict(zip(NAMES, grads))
-
-
-def errors(fn, inputs, dtype, grad_out, ctx):
-    out, grads = out_and_grads(fn, inputs, dtype, grad_out)
-    ref, ref_grads = out_and_grads(lambda *xs: kda(*xs, ctx), inputs, torch.float32, grad_out)
-    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads.values())
-    return {"out": rel_err(out, ref)} | {n: rel_err(grads[n], ref_grads[n]) for n in NAMES}
-
-
-def assert_within(errs: dict, dtype) -> None:
-    tol_out, tol_grad = TOLS[dtype]
-    assert errs["out"] <= tol_out, errs
-    assert max(v for k, v in errs.items() if k != "out") <= tol_grad, errs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -92,7 +60,8 @@ def test_modes_match_pytorch(mode, dtype):
     inputs = cuda_inputs(2, doc.shape[1], seed=1)
     grad_out = torch.randn(2, doc.shape[1], HV, DV, device="cuda")
     fn = kda_fla_static if mode == "static" else kda_fla_varlen
-    errs = errors(lambda *xs: fn(*xs, ctx), inputs, dtype, grad_out, ctx)
+    errs = errors(lambda *xs: fn(*xs, ctx), lambda *xs: kda(*xs, ctx), inputs, NAMES, dtype,
+                  grad_out)  # fmt: skip
     print(f"\n[fla-gpu] {mode:7s} {str(dtype):15s} vs pure PyTorch: {errs}")
     assert_within(errs, dtype)
 
@@ -132,30 +101,6 @@ def test_conv_varlen_matches_pytorch(dtype):
 
 
 def test_reduce_overhead_cuda_graph_replays_new_packings():
-    from torch._dynamo.utils import counters
-
     torch.manual_seed(0)
     model = Block(256, H, HV, DK, DV, width=4, mixer=kda, mixer_kw=[("backend", "fla")])
-    model = model.cuda().to(torch.bfloat16)
-    x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-
-    def step(fn, doc):
-        torch.compiler.cudagraph_mark_step_begin()
-        model.zero_grad(set_to_none=True)
-        y = fn(x, PackedContext(doc))
-        y.float().pow(2).mean().backward()
-        return y.detach().clone(), [p.grad.clone() for p in model.parameters()]
-
-    packings = [packed_rows(512, seed=s).cuda() for s in (7, 8, 9)]
-    for doc in packings + packings:  # second pass: pure replays
-        y_c, g_c = step(compiled, doc)
-        y_e, g_e = step(model, doc)
-        assert rel_err(y_c, y_e) <= 2e-2
-        assert all(rel_err(a, b) <= 4e-2 for a, b in zip(g_c, g_e))
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-    print(f"\n[fla-gpu] reduce-overhead: graphs={counters['stats']['unique_graphs']}, "
-          f"cudagraph_skips={counters['inductor']['cudagraph_skips']}")  # fmt: skip
+    check_cuda_graph_replays(model.cuda().to(torch.bfloat16), "fla-gpu")

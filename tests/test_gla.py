@@ -30,10 +30,12 @@ from fcp.ops.gla import gla
 from fcp.ops.gla.reference import gla_reference
 from tests import _gla_rank_fns as fns
 from tests._gla_rank_fns import NAMES, make_inputs
+from tests.support import operator_checks
 from tests.support.inputs import rel_err
-from tests.support.packing import doc_ids_from_lengths
-from tests.support.cp_jobs import GraphRecorder
-from tests.support.packing import random_doc_ids
+from tests.support.operator_checks import check_compiled_block_gradient, check_compiled_once
+from tests.support.operator_checks import check_documents_independent, check_pad_inert
+from tests.support.operator_checks import EXTREME_DECAYS, per_document, with_decay
+from tests.support.packing import doc_ids_from_lengths, random_doc_ids, ref_segments
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,38 +57,25 @@ def loop_gla_doc(q, k, v, a, scale):
 
 def runs(ids: torch.Tensor) -> list[tuple[int, int]]:
     """``(start, end)`` of every run (document or pad tail) of one row."""
-    cuts = [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]] + [len(ids)]
-    return list(zip(cuts[:-1], cuts[1:]))
+    bounds = ref_segments(ids.tolist())
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
-def per_document(doc_fn, xs: dict, doc_ids: torch.Tensor, scale: float) -> torch.Tensor:
-    """``doc_fn`` on every run of every row, concatenated back; differentiable."""
-    return torch.stack([
-        torch.cat([doc_fn(*(xs[n][b, s:e] for n in NAMES), scale).double()
-                   for s, e in runs(doc_ids[b])])
-        for b in range(doc_ids.shape[0])
-    ])  # fmt: skip
-
-
-def out_and_grads(fn, inputs: dict, grad_out: torch.Tensor):
-    xs = {n: x.clone().requires_grad_() for n, x in inputs.items()}
-    out = fn(xs)
-    grads = torch.autograd.grad(out, list(xs.values()), grad_out.to(out.dtype))
-    return out.detach(), dict(zip(xs, grads))
+def out_and_grads(fn, inputs: dict, grad_out: torch.Tensor, names=NAMES):
+    return operator_checks.out_and_grads(fn, inputs, grad_out, names)
 
 
 def check(fn_a, fn_b, inputs, grad_out, tol):
-    """Output and every input gradient of ``fn_a`` within ``tol`` (rel) of ``fn_b``'s."""
-    out_a, grads_a = out_and_grads(fn_a, inputs, grad_out)
-    out_b, grads_b = out_and_grads(fn_b, inputs, grad_out)
-    errs = {"out": rel_err(out_a, out_b)} | {n: rel_err(grads_a[n], grads_b[n]) for n in inputs}
-    assert all(torch.isfinite(x).all() for x in [out_a, *grads_a.values()])
-    assert max(errs.values()) <= tol, errs
-    return errs
+    return operator_checks.check(fn_a, fn_b, inputs, grad_out, tol, NAMES)
 
 
 def ours(ctx, **kw):
-    return lambda xs: gla(*(xs[n] for n in NAMES), ctx, **kw)
+    return lambda *xs: gla(*xs, ctx, **kw)
+
+
+def loop(doc_ids, scale):
+    """The fp64 loop on every document of ``doc_ids`` alone."""
+    return lambda *xs: per_document(loop_gla_doc, xs, doc_ids, scale)
 
 
 PACKING = [([7, 1, 30, 9], 5), ([52], 0)]  # two rows of 52 tokens: short/single/long docs + pad
@@ -102,15 +91,14 @@ def test_fp64_matches_loop_tightly(chunk, groups, heads):
     inputs = make_inputs(2, 52, groups, heads, 8, 6, seed=chunk, dtype=torch.float64)
     grad_out = torch.randn(2, 52, heads, 6, dtype=torch.float64)
     check(ours(PackedContext(doc_ids), chunk_size=chunk),
-          lambda xs: per_document(loop_gla_doc, xs, doc_ids, 8**-0.5), inputs, grad_out, 1e-10)
+          loop(doc_ids, 8**-0.5), inputs, grad_out, 1e-10)
 
 
 def test_fp32_matches_loop():
     doc_ids = doc_ids_from_lengths([([40, 1, 70, 17], 0), ([3, 100], 25)])
     inputs = make_inputs(2, 128, 2, 4, 16, 12, seed=1)
-    check(ours(PackedContext(doc_ids), scale=0.3),
-          lambda xs: per_document(loop_gla_doc, xs, doc_ids, 0.3), inputs,
-          torch.randn(2, 128, 4, 12), 1e-5)  # fmt: skip
+    check(ours(PackedContext(doc_ids), scale=0.3), loop(doc_ids, 0.3), inputs,
+          torch.randn(2, 128, 4, 12), 1e-5)
 
 
 def test_bf16_inputs_accumulate_in_fp32():
@@ -123,31 +111,24 @@ def test_bf16_inputs_accumulate_in_fp32():
     assert out.dtype == torch.bfloat16
     widened = gla(*(inputs[n].float() for n in NAMES), ctx, chunk_size=32)
     assert torch.equal(out, widened.to(torch.bfloat16))
-    check(ours(ctx, chunk_size=32), lambda xs: per_document(loop_gla_doc, xs, doc_ids, 0.25),
-          inputs, torch.randn(1, 64, 2, 16), 1e-2)  # fmt: skip
+    check(ours(ctx, chunk_size=32), loop(doc_ids, 0.25), inputs, torch.randn(1, 64, 2, 16), 1e-2)
 
 
-@pytest.mark.parametrize("decay", ["0", "-8", "mixed", "-40"])
+@pytest.mark.parametrize("decay", EXTREME_DECAYS)
 def test_extreme_decays_stay_finite_and_exact(decay):
-    """Full 64-token chunks with per-token log decay 0, -8 (cumulative -512: exp(-cumsum) would
-    overflow fp32), a mix of both, and -40."""
-    inputs = make_inputs(1, 128, 1, 2, 16, 8, seed=3)
-    if decay == "mixed":
-        pick = torch.rand(inputs["a"].shape, generator=torch.Generator().manual_seed(0)) < 0.5
-        inputs["a"] = torch.where(pick, -8.0, 0.0)
-    else:
-        inputs["a"] = torch.full_like(inputs["a"], float(decay))
+    """Full 64-token chunks with the per-token log decays of :data:`~tests.support.
+    operator_checks.EXTREME_DECAYS`."""
+    inputs = with_decay(make_inputs(1, 128, 1, 2, 16, 8, seed=3), "a", decay)
     doc_ids = doc_ids_from_lengths([([100], 28)])
-    check(ours(PackedContext(doc_ids)), lambda xs: per_document(loop_gla_doc, xs, doc_ids, 0.25),
-          inputs, torch.randn(1, 128, 2, 8), 1e-5)  # fmt: skip
+    check(ours(PackedContext(doc_ids)), loop(doc_ids, 0.25), inputs, torch.randn(1, 128, 2, 8),
+          1e-5)
 
 
 def test_reference_matches_loop():
     doc_ids = doc_ids_from_lengths(PACKING)
     inputs = make_inputs(2, 52, 1, 2, 4, 4, seed=4, dtype=torch.float64)
-    check(lambda xs: gla_reference(*(xs[n] for n in NAMES), PackedContext(doc_ids)),
-          lambda xs: per_document(loop_gla_doc, xs, doc_ids, 0.5), inputs,
-          torch.randn(2, 52, 2, 4, dtype=torch.float64), 1e-12)  # fmt: skip
+    check(lambda *xs: gla_reference(*xs, PackedContext(doc_ids)), loop(doc_ids, 0.5), inputs,
+          torch.randn(2, 52, 2, 4, dtype=torch.float64), 1e-12)
 
 
 @pytest.mark.parametrize("strong", [False, True])
@@ -172,13 +153,15 @@ def test_matches_transformers_mamba2_ssd(strong):
     limit = (0.0, 3.0)
     ctx = PackedContext(doc_ids)
 
-    def fcp_mamba2(t):
+    def fcp_mamba2(*values):
+        t = dict(zip(xs, values))
         dt = torch.nn.functional.softplus(t["dt"] + t["dt_bias"]).clamp(*limit)
         y = gla(t["C"], t["B"], dt[..., None] * t["x"], dt * -torch.exp(t["A_log"]), ctx,
                 scale=1.0)  # fmt: skip
         return y + t["D"][:, None] * t["x"]
 
-    def transformers_per_document(t):
+    def transformers_per_document(*values):
+        t = dict(zip(xs, values))
         pieces = [ssd(t["x"][:, s:e], t["dt"][:, s:e], -torch.exp(t["A_log"]), t["B"][:, s:e],
                       t["C"][:, s:e], chunk_size=chunk, D=t["D"], dt_bias=t["dt_bias"],
                       dt_softplus=True, dt_limit=limit)
@@ -186,8 +169,8 @@ def test_matches_transformers_mamba2_ssd(strong):
         return torch.cat(pieces, 1)
 
     grad_out = torch.randn(1, length, heads, p, generator=gen)
-    out, grads = out_and_grads(fcp_mamba2, xs, grad_out)
-    ref, ref_grads = out_and_grads(transformers_per_document, xs, grad_out)
+    out, grads = out_and_grads(fcp_mamba2, xs, grad_out, tuple(xs))
+    ref, ref_grads = out_and_grads(transformers_per_document, xs, grad_out, tuple(xs))
     errs = {"out": rel_err(out, ref)} | {n: rel_err(grads[n], ref_grads[n]) for n in xs}
     assert max(errs.values()) <= 1e-5, errs
     if strong:  # the decays really are strong: most of a chunk's state is forgotten per token
@@ -213,8 +196,7 @@ def test_cp_four_ranks_matches_loop(rank_pool, rows):
     grad_out = torch.randn(batch, 32, 2, 4, generator=torch.Generator().manual_seed(0))
     results = rank_pool.run(fns.gla_fwd_bwd, 4, inputs, doc_ids, grad_out, 4)
     out = torch.cat([r[0] for r in results], 1)
-    ref_out, ref_grads = out_and_grads(lambda xs: per_document(loop_gla_doc, xs, doc_ids, 8**-0.5),
-                                       inputs, grad_out)  # fmt: skip
+    ref_out, ref_grads = out_and_grads(loop(doc_ids, 8**-0.5), inputs, grad_out)
     assert rel_err(out, ref_out) <= 1e-5
     for n in NAMES:
         assert rel_err(torch.cat([r[1][n] for r in results], 1), ref_grads[n]) <= 1e-5, n
@@ -224,30 +206,12 @@ def test_cp_four_ranks_matches_loop(rank_pool, rows):
 # documents are exactly independent; padding is inert
 # ---------------------------------------------------------------------------------------------
 def test_other_documents_bitwise_unchanged():
-    doc_ids = doc_ids_from_lengths([([5, 1, 20, 1, 30, 3], 4)])
-    inputs = make_inputs(1, 64, 2, 4, 8, 8, seed=5)
-    ctx = PackedContext(doc_ids)
-    base = gla(*(inputs[n] for n in NAMES), ctx, chunk_size=16)
-    noise = make_inputs(1, 64, 2, 4, 8, 8, seed=6)
-    for d in doc_ids.unique().tolist():
-        inside = doc_ids[0] == d
-        pert = {n: torch.where(inside.view(1, -1, *([1] * (x.dim() - 2))), 3 * noise[n], x)
-                for n, x in inputs.items()}  # fmt: skip
-        out = gla(*(pert[n] for n in NAMES), ctx, chunk_size=16)
-        assert torch.equal(out[:, ~inside], base[:, ~inside]), d
-        assert not torch.equal(out[:, inside], base[:, inside]), d
+    check_documents_independent(gla, lambda seq, seed: make_inputs(1, seq, 2, 4, 8, 8, seed),
+                                NAMES, chunk_size=16)  # fmt: skip
 
 
 def test_pad_tokens_finite_and_inert():
-    doc_ids = doc_ids_from_lengths([([10, 13], 9)])
-    inputs = make_inputs(1, 32, 1, 1, 8, 8, seed=7)
-    inputs["v"][:, 23:] = 1e4  # garbage in the pad tail
-    xs = {n: x.clone().requires_grad_() for n, x in inputs.items()}
-    out = gla(*(xs[n] for n in NAMES), PackedContext(doc_ids), chunk_size=16)
-    assert torch.isfinite(out).all()
-    out[:, 23:].sum().backward()
-    for n in NAMES:
-        assert torch.equal(xs[n].grad[:, :23], torch.zeros_like(xs[n].grad[:, :23])), n
+    check_pad_inert(gla, make_inputs(1, 32, 1, 1, 8, 8, seed=7), NAMES, chunk_size=16)
 
 
 def test_input_validation():
@@ -278,22 +242,11 @@ def test_input_validation():
 # torch.compile
 # ---------------------------------------------------------------------------------------------
 def test_compiled_equals_eager_once_across_packings_without_host_sync():
-    torch._dynamo.reset()
-    recorder = GraphRecorder()
-    compiled = torch.compile(gla, fullgraph=True, backend=recorder)
     gen = torch.Generator().manual_seed(8)
-    for i, doc_ids in enumerate([random_doc_ids(gen, 2, 40) for _ in range(5)]):
-        ctx = PackedContext(doc_ids)
-        inputs = make_inputs(2, 40, 1, 2, 8, 4, seed=100 + i)
-        grad_out = torch.randn(2, 40, 2, 4, generator=gen)
-        run_c = lambda xs: compiled(*(xs[n] for n in NAMES), ctx, chunk_size=16)  # noqa: E731
-        out_c, grads_c = out_and_grads(run_c, inputs, grad_out)
-        out_e, grads_e = out_and_grads(ours(ctx, chunk_size=16), inputs, grad_out)
-        assert rel_err(out_c, out_e) <= 1e-6
-        assert all(rel_err(grads_c[n], grads_e[n]) <= 1e-6 for n in NAMES)
-    assert recorder.frames == 1, recorder.frames
-    assert not recorder.host_syncs(), recorder.host_syncs()
-    assert "aten.bmm.default" in recorder.ops  # the recorder saw the real aten graphs
+    doc_ids = [random_doc_ids(gen, 2, 40) for _ in range(5)]
+    cases = [(d, make_inputs(2, 40, 1, 2, 8, 4, seed=100 + i),
+              torch.randn(2, 40, 2, 4, generator=gen)) for i, d in enumerate(doc_ids)]  # fmt: skip
+    check_compiled_once(gla, cases, NAMES, chunk_size=16)
 
 
 def test_compiled_cp_two_ranks_equals_eager(rank_pool):
@@ -322,9 +275,4 @@ def test_compiled_backward_through_caller_views_of_the_inputs():
         v_ = v_.view(b, t, h, p) * dt[..., None]
         return gla(c_.view(b, t, g, n), b_.view(b, t, g, n), v_, -dt, ctx, scale=1.0, chunk_size=8)
 
-    grads = []
-    for fn in (block, torch.compile(block, backend="aot_eager", fullgraph=True)):
-        w.grad = None
-        fn(x, w).pow(2).sum().backward()
-        grads.append(w.grad.clone())
-    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+    check_compiled_block_gradient(block, x, w)

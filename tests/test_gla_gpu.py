@@ -26,36 +26,19 @@ import torch
 from fcp.context import PackedContext
 from fcp.ops.gla import gla
 from fcp.ops.gla.reference import gla_reference
-from tests.support.triton_tuning import limit_from_env
 from tests._gla_rank_fns import NAMES, make_inputs
+from tests.support.gpu_checks import assert_within, check_cuda_graph_replays, errors
+from tests.support.gpu_checks import out_and_grads, packed_rows
 from tests.support.inputs import rel_err
 from tests.support.packing import doc_ids_from_lengths
+from tests.support.triton_tuning import limit_from_env
 
 pytestmark = pytest.mark.gpu
 
-TOLS = {torch.float32: (5e-3, 1e-2), torch.bfloat16: (2e-2, 4e-2)}
 G, H, K, V = 2, 8, 128, 64
 
 if torch.cuda.is_available():
     limit_from_env()
-
-
-def packed_rows(seq: int, seed: int) -> torch.Tensor:
-    """Row 0: short documents (1-40 tokens), a long one, a pad tail. Row 1: two long documents."""
-    gen = torch.Generator().manual_seed(seed)
-    lens, used = [], 0
-    while used < seq // 2:
-        lens.append(int(torch.randint(1, 41, (1,), generator=gen)))
-        used += lens[-1]
-    lens.append(seq - used - 37)
-    return doc_ids_from_lengths([(lens, 37), ([seq // 3, seq - seq // 3], 0)])
-
-
-def out_and_grads(fn, inputs: dict, dtype, grad_out):
-    xs = {n: x.to(dtype).clone().requires_grad_() for n, x in inputs.items()}
-    out = fn(*(xs[n] for n in NAMES))
-    grads = torch.autograd.grad(out, [xs[n] for n in NAMES], grad_out.to(out.dtype))
-    return out.detach(), dict(zip(NAMES, grads))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -64,14 +47,10 @@ def test_fla_backend_matches_chunked(dtype):
     ctx = PackedContext(doc)
     inputs = {n: x.cuda() for n, x in make_inputs(2, 1024, G, H, K, V, seed=1).items()}
     grad_out = torch.randn(2, 1024, H, V, device="cuda")
-    out, grads = out_and_grads(lambda *xs: gla(*xs, ctx, backend="fla"), inputs, dtype, grad_out)
-    ref, ref_grads = out_and_grads(lambda *xs: gla(*xs, ctx), inputs, torch.float32, grad_out)
-    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads.values())
-    errs = {"out": rel_err(out, ref)} | {n: rel_err(grads[n], ref_grads[n]) for n in NAMES}
+    errs = errors(lambda *xs: gla(*xs, ctx, backend="fla"), lambda *xs: gla(*xs, ctx), inputs,
+                  NAMES, dtype, grad_out)  # fmt: skip
     print(f"\n[gla-gpu] fla {dtype} vs chunked fp32: {errs}")
-    tol_out, tol_grad = TOLS[dtype]
-    assert errs["out"] <= tol_out, errs
-    assert max(v for n, v in errs.items() if n != "out") <= tol_grad, errs
+    assert_within(errs, dtype)
 
 
 def test_chunked_on_cuda_matches_reference():
@@ -79,8 +58,10 @@ def test_chunked_on_cuda_matches_reference():
     ctx = PackedContext(doc)
     inputs = {n: x.cuda() for n, x in make_inputs(1, 80, 1, 2, 16, 8, seed=2).items()}
     grad_out = torch.randn(1, 80, 2, 8, device="cuda")
-    out, grads = out_and_grads(lambda *xs: gla(*xs, ctx, chunk_size=16), inputs, torch.float32, grad_out)
-    ref, ref_grads = out_and_grads(lambda *xs: gla_reference(*xs, ctx), inputs, torch.float64, grad_out)
+    out, grads = out_and_grads(lambda *xs: gla(*xs, ctx, chunk_size=16), inputs, NAMES,
+                               torch.float32, grad_out)  # fmt: skip
+    ref, ref_grads = out_and_grads(lambda *xs: gla_reference(*xs, ctx), inputs, NAMES,
+                                   torch.float64, grad_out)  # fmt: skip
     errs = [rel_err(out, ref)] + [rel_err(grads[n], ref_grads[n]) for n in NAMES]
     assert max(errs) <= 1e-4, errs  # fp32 on the GPU (TF32 off by default for matmuls)
 
@@ -106,27 +87,5 @@ class Mamba2Like(torch.nn.Module):
 
 
 def test_reduce_overhead_cuda_graph_replays_new_packings():
-    from torch._dynamo.utils import counters
-
     torch.manual_seed(0)
-    model = Mamba2Like().cuda().to(torch.bfloat16)
-    x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-
-    def step(fn, doc):
-        torch.compiler.cudagraph_mark_step_begin()
-        model.zero_grad(set_to_none=True)
-        y = fn(x, PackedContext(doc))
-        y.float().pow(2).mean().backward()
-        return y.detach().clone(), [p.grad.clone() for p in model.parameters()]
-
-    packings = [packed_rows(512, seed=s).cuda() for s in (7, 8, 9)]
-    for doc in packings + packings:  # second pass: pure replays
-        y_c, g_c = step(compiled, doc)
-        y_e, g_e = step(model, doc)
-        assert rel_err(y_c, y_e) <= 2e-2
-        assert all(rel_err(a, b) <= 4e-2 for a, b in zip(g_c, g_e))
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    check_cuda_graph_replays(Mamba2Like().cuda().to(torch.bfloat16), "gla-gpu")

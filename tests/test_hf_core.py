@@ -1,6 +1,6 @@
 """The transformers integration's mechanism and guard (:mod:`fcp.integrations.hf.core`) and its
 RoPE tables (:mod:`fcp.integrations.hf.rope`), on tiny GLM-5.3-Flash, Kimi-Linear and Qwen3-Next
-models (their numerics: ``tests/test_hf_glm5.py``, ``tests/test_hf_kimi_qwen3next.py``).
+models (their numerics: ``tests/test_hf_glm5.py``, ``tests/test_hf_families.py``).
 
 * nothing is copied: each mixer stays the same object with the same attributes (plus the one the
   design documents), its class a cached subclass of the transformers class adding only ``fcp_``
@@ -19,6 +19,7 @@ import torch
 
 import fcp
 from fcp.integrations.hf import SUPPORTED, FcpMixer, enable_packed_cp
+from tests.support.hf_checks import assert_unmarked, drop_context
 from tests.support.hf_reference import GLM5_TINY, KIMI_TINY, QWEN3_NEXT_TINY, build
 
 CONFIGS = {"glm5_next": GLM5_TINY, "kimi_linear": KIMI_TINY, "qwen3_next": QWEN3_NEXT_TINY}
@@ -38,10 +39,6 @@ def packed_batch(seed: int, seq: int = SEQ):
                          [seq - 3, -1000, -1000]])  # fmt: skip
     ids = torch.randint(1, 128, (2, seq), generator=gen)
     return fcp.shard_batch(None, {"input_ids": ids, "seq_lens": lens})
-
-
-def assert_unmarked(model):
-    assert all(m.fcp_expected_by == () for m in model.modules() if isinstance(m, FcpMixer))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -68,15 +65,13 @@ def test_each_mixer_is_the_same_object_with_nothing_copied(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_decoder_layer_that_drops_the_context_raises(family):
     model = enable_packed_cp(build(family, CONFIGS[family]))
-    layer = model.layers[1]
-    forward = layer.forward
-    layer.forward = lambda *args, cp_context=None, **kwargs: forward(*args, **kwargs)
+    drop_context(model.layers[1])
     mixer = [n for n in mixer_names(model) if n.startswith("layers.1.")][0]
     local, ctx = packed_batch(0)
     with pytest.raises(ValueError, match=rf"{mixer} .*decoder layer \(layers\.1\) did not forward"):
         model(input_ids=local["input_ids"], cp_context=ctx)
     assert_unmarked(model)  # the exception left nothing marked
-    del layer.forward
+    del model.layers[1].forward
     with torch.no_grad():
         out = model(input_ids=local["input_ids"], cp_context=ctx)
     assert out.last_hidden_state.shape[:2] == (2, SEQ)
@@ -92,8 +87,7 @@ def test_the_outermost_model_names_the_mixer_and_a_wrapper_that_drops_the_contex
     lm = transformers.Qwen3NextForCausalLM(backbone.config)
     lm.model = backbone
     enable_packed_cp(lm)
-    forward = backbone.forward
-    backbone.forward = lambda *args, cp_context=None, **kwargs: forward(*args, **kwargs)
+    drop_context(backbone)
     local, ctx = packed_batch(1)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.linear_attn .*did not forward"):
         lm(input_ids=local["input_ids"], cp_context=ctx)

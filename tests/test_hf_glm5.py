@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
 
 import fcp
-from fcp.integrations.hf import IndexedMlaMixer, KdaMixer, enable_packed_cp
+from fcp.integrations.hf import IndexedMlaMixer, KdaMixer
 from tests import _hf_rank_fns as fns
+from tests.support.hf_packings import document_packings
 from tests.support.hf_reference import GLM5_TINY, build, per_document
 
 FAMILY = "glm5_next"
@@ -30,59 +31,31 @@ HIDDEN = GLM5_TINY["hidden_size"]
 # pool of documents: shorter than the conv width (1, 2), than a pool (3), around index_topk (8),
 # and long enough for the sparse phase (up to 37 tokens, several pools)
 LENGTHS = [1, 2, 3, 5, 8, 9, 13, 17, 22, 30, 37]
-POOL_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
 def reference():
-    gen = torch.Generator().manual_seed(11)
-    model = build(FAMILY, GLM5_TINY)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    docs = [torch.randint(1, GLM5_TINY["vocab_size"], (n,), generator=gen) for n in LENGTHS]
-    cots = [torch.randn(n, HIDDEN, generator=gen) for n in LENGTHS]
-    ref = per_document(FAMILY, GLM5_TINY, state, docs, cots)
+    pool = fns.documents(LENGTHS, HIDDEN, seed=11)
+    state = {k: v.clone() for k, v in build(FAMILY, GLM5_TINY).state_dict().items()}
+    ref = per_document(FAMILY, GLM5_TINY, state, pool["docs"], pool["cots"])
     print(f"\n[hf-glm5] transformers' topk chose another tied set on {ref['tie_rows']} of "
           f"{ref['indexed_rows']} indexed query rows (fcp's rule: the earlier pool)")
-    return dict(state=state, docs=docs, cots=cots, **ref)
-
-
-@st.composite
-def packing(draw):
-    world = draw(st.sampled_from([1, 2, 4]))
-    n_rows = draw(st.integers(1, 2))
-    order = draw(st.permutations(range(len(LENGTHS))))
-    rows, used = [], 0
-    for r in range(n_rows):
-        k = draw(st.integers(1, 4))
-        rows.append(list(order[used : used + k]))
-        used += k
-    longest = max(sum(LENGTHS[i] for i in row) for row in rows)
-    seq = longest + draw(st.integers(0, 7))  # padding; shard_batch pads to the CP size too
-    return world, rows, seq
+    return dict(state=state, **pool, **ref)
 
 
 @pytest.mark.slow
 @settings(deadline=None, max_examples=12)
-@given(packing())
+@given(document_packings(LENGTHS))
 def test_packed_documents_equal_transformers_on_each_document(rank_pool, reference, case):
     world, rows, seq = case
-    batch, cot = fns.pack(reference, rows, seq)
-    results = rank_pool.run(fns.packed_forward_backward, world, FAMILY, GLM5_TINY,
-                            reference["state"], batch, cot, timeout=POOL_TIMEOUT_S)  # fmt: skip
-    fns.check(reference, rows, results)
+    fns.check(reference, rows, fns.run(rank_pool, reference, FAMILY, GLM5_TINY, world, rows, seq))
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_one_document_spanning_every_rank_with_padding(rank_pool, reference, world):
-    rows = [[10, 0], [9, 2, 4]]  # 37 + 1 tokens across every rank, short docs, padding
-    batch, cot = fns.pack(reference, rows, 41)
-    if world == 1:
-        results = [fns.packed_forward_backward(None, FAMILY, GLM5_TINY, reference["state"],
-                                               batch, cot)]  # fmt: skip
-    else:
-        results = rank_pool.run(fns.packed_forward_backward, world, FAMILY, GLM5_TINY,
-                                reference["state"], batch, cot, timeout=POOL_TIMEOUT_S)  # fmt: skip
-    fns.check(reference, rows, results)
+    # 37 + 1 tokens across every rank, short docs, padding
+    fns.check_spanning_every_rank(rank_pool, reference, FAMILY, GLM5_TINY, world,
+                                  rows=[[10, 0], [9, 2, 4]], seq=41)  # fmt: skip
 
 
 def test_without_a_context_the_original_code_runs(reference):
@@ -90,20 +63,12 @@ def test_without_a_context_the_original_code_runs(reference):
 
 
 def test_replacement_keeps_parameters_and_keys():
-    model = build(FAMILY, GLM5_TINY)
-    keys = list(model.state_dict())
-    params = {n: p for n, p in model.named_parameters()}
-    assert enable_packed_cp(model) is model
-    assert list(model.state_dict()) == keys
-    assert all(p is params[n] for n, p in model.named_parameters())  # optimizers stay valid
+    model = fns.check_replacement(FAMILY, GLM5_TINY, {"Glm5NextTextLinearAttention": KdaMixer,
+                                                      "Glm5NextTextAttention": IndexedMlaMixer})
     kinds = [type(layer.self_attn) for layer in model.layers]
     assert [k.__name__ for k in kinds] == (["PackedGlm5NextTextLinearAttention"] * 3
                                            + ["PackedGlm5NextTextAttention"])  # fmt: skip
     assert [k.__bases__[0] for k in kinds] == [KdaMixer] * 3 + [IndexedMlaMixer]
-    assert len(set(kinds)) == 2  # one class per kind: a compiled mixer is not recompiled per layer
-    assert enable_packed_cp(model) is model  # idempotent
-    with pytest.raises(ValueError, match="no supported token mixer"):
-        enable_packed_cp(torch.nn.Linear(2, 2))
 
 
 def test_compiled_model_does_not_recompile_across_packings(reference):

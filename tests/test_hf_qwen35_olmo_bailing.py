@@ -1,114 +1,24 @@
-"""transformers' Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid and Bailing-Hybrid trained on packed documents
-with fcp: per-document parity, the replacement contract, compilation, and their RoPE variants.
+"""transformers' Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid and Bailing-Hybrid on fcp: what the standard
+battery does not cover.
 
-:func:`fcp.integrations.hf.enable_packed_cp` replaces, in tiny random text backbones:
-
-* Qwen3.5 / Qwen3.5-MoE: Gated DeltaNet with separate projections, and Qwen3-Next's gated GQA
-  attention whose mRoPE text positions are 1-D RoPE at document-local positions;
-* OLMo-Hybrid: Gated DeltaNet with ``beta = 2 sigmoid(b)`` and its own norm / output names, and
-  attention with q/k norm over all heads and fp32 RoPE tables (or NoPE);
-* Bailing-Hybrid: KDA with a full-width output gate, and MLA with interleaved RoPE on its rope
-  channels and a per-head output gate.
-
-Every packed document must then come out exactly as transformers computes it alone, with the
-contract of ``tests/test_hf_kimi_qwen3next.py`` (its packings and documents): outputs to 1e-5;
-every parameter's gradient summed over the CP ranks to 1e-5 relative to the larger of its own
-largest entry and a tenth of the model's largest; on 1, 2 and 4 gloo ranks. The reference
-(transformers itself, FLA blocked) runs once per module, for the four families in one subprocess.
+Their per-document parity, replacement contract, ``*ForCausalLM`` wrappers and compiled mixers are
+in ``tests/test_hf_families.py``. Here: Qwen3.5's vision-language wrappers (text on fcp, images
+refused), and the RoPE variants: Qwen3.5's mRoPE text positions are 1-D RoPE, Bailing-Hybrid's
+interleaved rotation and OLMo-Hybrid's fp32 tables are transformers' own, and OLMo-Hybrid's
+attention alone with RoPE and NoPE equals transformers' code on each document.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
 
 import fcp
-from fcp.integrations.hf import FcpMixer, enable_packed_cp
+from fcp.integrations.hf import enable_packed_cp
 from tests import _hf_rank_fns as fns
-from tests.support.hf_reference import (
-    BAILING_HYBRID_TINY,
-    OLMO_HYBRID_TINY,
-    QWEN3_5_MOE_TINY,
-    QWEN3_5_TINY,
-    build,
-)
-from tests.test_hf_kimi_qwen3next import HIDDEN, LENGTHS, POOL_TIMEOUT_S, packing
-
-CONFIGS = {"qwen3_5": QWEN3_5_TINY, "qwen3_5_moe": QWEN3_5_MOE_TINY,
-           "olmo_hybrid": OLMO_HYBRID_TINY, "bailing_hybrid": BAILING_HYBRID_TINY}  # fmt: skip
-FAMILIES = sorted(CONFIGS)
-#: the transformers mixer classes of each family (attention layer, linear-attention layer)
-MIXERS = {"qwen3_5": ("Qwen3_5Attention", "Qwen3_5GatedDeltaNet"),
-          "qwen3_5_moe": ("Qwen3_5MoeAttention", "Qwen3_5MoeGatedDeltaNet"),
-          "olmo_hybrid": ("OlmoHybridAttention", "OlmoHybridGatedDeltaNet"),
-          "bailing_hybrid": ("BailingHybridAttention", "BailingHybridDeltaAttention")}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def references():
-    return fns.references(CONFIGS, LENGTHS, HIDDEN, seed=7)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-@settings(deadline=None, max_examples=3)
-@given(case=packing())
-def test_packed_documents_equal_transformers_on_each_document(rank_pool, references, family,
-                                                              case):  # fmt: skip
-    world, rows, seq = case
-    results = fns.run(rank_pool, references[family], family, CONFIGS[family], world, rows, seq,
-                      POOL_TIMEOUT_S)  # fmt: skip
-    fns.check(references[family], rows, results)
-
-
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_one_document_spanning_every_rank_with_padding(rank_pool, references, family, world):
-    fns.check_spanning_every_rank(rank_pool, references[family], family, CONFIGS[family], world,
-                                  POOL_TIMEOUT_S)  # fmt: skip
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_without_a_context_the_original_code_runs(references, family):
-    assert references[family]["no_context_max_diff"] == 0.0
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_replacement_keeps_the_state_dict_and_loads_it_strictly(family):
-    fns.check_replacement(family, CONFIGS[family], MIXERS[family])
-
-
-def test_an_unknown_model_is_refused_naming_the_supported_ones():
-    with pytest.raises(ValueError, match=r"Sequential has no supported token mixer .*"
-                                         r"BailingHybridAttention.*OlmoHybridGatedDeltaNet.*"
-                                         r"Qwen3_5GatedDeltaNet.*Qwen3_5MoeAttention"):  # fmt: skip
-        enable_packed_cp(torch.nn.Sequential(torch.nn.Linear(2, 2)))
-
-
-def _causal_lm(family):
-    import transformers
-
-    return {"qwen3_5": transformers.Qwen3_5ForCausalLM,
-            "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
-            "olmo_hybrid": transformers.OlmoHybridForCausalLM,
-            "bailing_hybrid": transformers.BailingHybridForCausalLM}[family]  # fmt: skip
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_causal_lm_wrapper(references, family):
-    """``*ForCausalLM``: its mixers are replaced, and its logits are the backbone's packed outputs
-    through ``lm_head``."""
-    backbone = fns.packed_model(family, CONFIGS[family], references[family]["state"])
-    lm = _causal_lm(family)(backbone.config)
-    lm.model.load_state_dict(references[family]["state"])
-    enable_packed_cp(lm)
-    assert [type(m) for m in lm.model.modules()] == [type(m) for m in backbone.modules()]
-    batch, _ = fns.pack(references[family], [[5, 1, 3]], 30)
-    local, ctx = fcp.shard_batch(None, batch)
-    with torch.no_grad():
-        logits = lm(input_ids=local["input_ids"], cp_context=ctx).logits
-        hidden = backbone(input_ids=local["input_ids"], cp_context=ctx).last_hidden_state
-    torch.testing.assert_close(logits, lm.lm_head(hidden))
+from tests.support.hf_checks import assert_unmarked, check_attention_alone
+from tests.support.hf_families import FAMILIES, documents
+from tests.support.hf_reference import BAILING_HYBRID_TINY, OLMO_HYBRID_TINY, QWEN3_5_TINY, build
 
 
 #: a tiny vision tower for Qwen3.5's vision-language wrappers (its special tokens in the vocab)
@@ -120,7 +30,7 @@ SPECIAL = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_vision_language_wrapper_runs_text_and_refuses_images(references, family):
+def test_vision_language_wrapper_runs_text_and_refuses_images(family):
     """``Qwen3_5(Moe)ForConditionalGeneration`` holds the same text model: text-only calls under a
     ``cp_context`` run on fcp (logits = the text backbone's packed outputs through ``lm_head``);
     image or video inputs raise a ``ValueError`` before the vision tower runs, by keyword or by
@@ -128,15 +38,15 @@ def test_vision_language_wrapper_runs_text_and_refuses_images(references, family
     import transformers
 
     name = {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[family]
-    config = getattr(transformers, f"{name}Config")(text_config=CONFIGS[family],
+    config = getattr(transformers, f"{name}Config")(text_config=FAMILIES[family].config,
                                                     vision_config=VISION, **SPECIAL)  # fmt: skip
     vlm = getattr(transformers, f"{name}ForConditionalGeneration")(config).eval()
+    backbone = enable_packed_cp(build(family, FAMILIES[family].config))
     text = vlm.model.language_model
-    text.load_state_dict(references[family]["state"])
+    text.load_state_dict(backbone.state_dict())
     enable_packed_cp(vlm)
-    backbone = fns.packed_model(family, CONFIGS[family], references[family]["state"])
     assert [type(m) for m in text.modules()] == [type(m) for m in backbone.modules()]
-    batch, _ = fns.pack(references[family], [[5, 1, 3], [4, 2]], 30)
+    batch, _ = fns.pack(documents(), [[5, 1, 3], [4, 2]], 30)
     local, ctx = fcp.shard_batch(None, batch)
     ids = local["input_ids"]
     with torch.no_grad():
@@ -159,16 +69,7 @@ def test_vision_language_wrapper_runs_text_and_refuses_images(references, family
     with pytest.raises(ValueError, match=r"Model.forward: image .*\(got pixel_values\)"):
         vlm.model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, cp_context=ctx)
     assert vision == [0]  # raised before the vision tower ran
-    assert all(m.fcp_expected_by == () for m in vlm.modules() if isinstance(m, FcpMixer))
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_compiled_mixers_do_not_recompile_across_packings(references, family):
-    """Every mixer compiled as the demo does (``mixer.compile``, fullgraph, aot_eager), the model
-    run over 10 packings of the same shape: one graph per mixer kind, made at the first step, and
-    the compiled model's outputs equal eager's."""
-    counts, kinds = fns.compile_counts(family, CONFIGS[family], references[family]["state"], 10)
-    assert counts == [kinds] * 10, counts
+    assert_unmarked(vlm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,21 +142,8 @@ def test_olmo_attention_alone_with_and_without_rope(rope):
         config["rope_parameters"] = {"rope_type": "default", "rope_theta": None}
     model = build("olmo_hybrid", config)
     assert (model.rotary_emb is None) == (rope == "nope")
-    attn = enable_packed_cp(model.layers[1].self_attn)
-    x = torch.randn(2, 30, HIDDEN, generator=torch.Generator().manual_seed(1))
-    seq_lens = torch.tensor([[13, 5, 8], [22, -1000, -1000]])
-    ctx = fcp.PackedContext(fcp.doc_ids_from_seq_lens(seq_lens, 30))
-    with torch.no_grad():
-        got = attn(x, position_embeddings=None, attention_mask=None, cp_context=ctx)[0]
-        for r, row in enumerate([[13, 5, 8], [22]]):
-            start = 0
-            for n in row:
-                doc = x[r : r + 1, start : start + n]
-                tables = None
-                if rope == "rope":
-                    tables = OlmoHybridRotaryEmbedding(model.config)(doc, torch.arange(n)[None])
-                causal = torch.full((n, n), float("-inf")).triu(1)[None, None]
-                want = attn(doc, position_embeddings=tables, attention_mask=causal)[0]
-                torch.testing.assert_close(got[r : r + 1, start : start + n], want,
-                                           atol=1e-5, rtol=1e-5)  # fmt: skip
-                start += n
+
+    def tables(doc, positions):
+        return OlmoHybridRotaryEmbedding(model.config)(doc, positions) if rope == "rope" else None
+
+    check_attention_alone(enable_packed_cp(model.layers[1].self_attn), tables)

@@ -38,10 +38,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fcp
-from fcp.integrations.hf import SUPPORTED, FcpMixer, enable_packed_cp
+from fcp.integrations.hf import FcpMixer, enable_packed_cp
 from fcp.integrations.hf.mixers import GatedDeltaNetMixer, PleMixer, QsaGqaMixer
 from tests import _hf_qwen4_rank_fns as qfns
 from tests import _hf_rank_fns as fns
+from tests.support.hf_checks import assert_unmarked, drop_context
 from tests.support.hf_packings import document_packings
 from tests.support.hf_reference import (
     QWEN4_EXP_TINY,
@@ -61,7 +62,6 @@ EOS = CONFIG["eos_token_id"]
 LENGTHS = [1, 2, 3, 5, 8, 13, 22, 37]
 # end-of-sequence tokens inside documents: (document, position); two in a row, one first
 EOS_AT = [(1, 1), (3, 2), (5, 4), (6, 0), (6, 10), (7, 20), (7, 21)]
-POOL_TIMEOUT_S = 120
 
 
 def documents(seed: int) -> list[torch.Tensor]:
@@ -91,7 +91,7 @@ def reference():
 def run(rank_pool, fn, world, *args):
     if world == 1:
         return [fn(None, *args)]
-    return rank_pool.run(fn, world, *args, timeout=POOL_TIMEOUT_S)
+    return rank_pool.run(fn, world, *args, timeout=fns.POOL_TIMEOUT_S)
 
 
 def check(reference: dict, rows: list[list[int]], results: list) -> dict:
@@ -165,31 +165,16 @@ def test_without_a_context_the_original_code_runs(reference):
 
 
 def test_replacement_keeps_parameters_keys_and_values():
-    model = build(FAMILY, CONFIG)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    params = dict(model.named_parameters())
-    buffers = [n for n, _ in model.named_buffers()]
-    originals = {n: type(m) for n, m in model.named_modules() if type(m).__name__ in SUPPORTED}
-    assert enable_packed_cp(model) is model
-    after = model.state_dict()
-    assert list(after) == list(before)
-    assert all(after[k].shape == v.shape and torch.equal(after[k], v) for k, v in before.items())
-    assert [n for n, _ in model.named_buffers()] == buffers
-    assert all(p is params[n] for n, p in model.named_parameters())  # optimizers stay valid
-    model.load_state_dict(before, strict=True)  # a checkpoint from before loads strictly
-    kinds = {n: type(model.get_submodule(n)) for n in originals}
-    assert all(k.__bases__ == (SUPPORTED[originals[n].__name__], originals[n])
-               for n, k in kinds.items())  # fmt: skip
-    assert sorted(originals) == sorted(n for n, m in model.named_modules()
-                                       if isinstance(m, FcpMixer))  # fmt: skip
+    model = fns.check_replacement(FAMILY, CONFIG, {"Qwen4ExpTextDecoderLayer": FcpMixer,
+                                                   "Qwen4ExpTextGatedDeltaNet": GatedDeltaNetMixer,
+                                                   "Qwen4ExpTextAttention": QsaGqaMixer,
+                                                   "Qwen4ExpTextPLELayer": PleMixer})  # fmt: skip
     # 4 decoder layers, 3 Gated DeltaNets, 1 QSA attention, 2 PLEs; one class per kind
-    names = sorted(originals)
-    assert len(names) == 10 and len(set(kinds.values())) == 4
+    kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, FcpMixer)}
+    assert len(kinds) == 10 and len(set(kinds.values())) == 4
     assert issubclass(kinds["layers.0.linear_attn"], GatedDeltaNetMixer)
     assert issubclass(kinds["layers.2.self_attn"], QsaGqaMixer)
     assert issubclass(kinds["layers.3.ple"], PleMixer) and model.layers[1].ple is None
-    assert enable_packed_cp(model) is model  # idempotent
-    assert {n: type(model.get_submodule(n)) for n in originals} == kinds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,23 +323,17 @@ def packed(seed: int, seq: int = 24):
     return fcp.shard_batch(None, {"input_ids": ids, "seq_lens": lens})
 
 
-def assert_unmarked(model):
-    assert all(m.fcp_expected_by == () for m in model.modules() if isinstance(m, FcpMixer))
-
-
 def test_transformers_decoder_layer_calling_its_ple_without_the_context_raises():
     """transformers' own decoder layer calls its PLE without ``cp_context``: with the adapter
     bypassed (the layer's forward drops the context), the PLE raises instead of running the
     non-CP history and conv on a packed batch."""
     model = enable_packed_cp(build(FAMILY, CONFIG))
-    layer = model.layers[0]
-    forward = layer.forward
-    layer.forward = lambda *args, cp_context=None, **kwargs: forward(*args, **kwargs)
+    drop_context(model.layers[0])
     local, ctx = packed(0)
     with pytest.raises(ValueError, match=r"layers\.0\.ple .*decoder layer \(layers\.0\) did not"):
         model(input_ids=local["input_ids"], cp_context=ctx)
     assert_unmarked(model)
-    del layer.forward
+    del model.layers[0].forward
     with torch.no_grad():
         assert model(input_ids=local["input_ids"], cp_context=ctx).last_hidden_state.shape == (
             2, 24, HIDDEN)  # fmt: skip

@@ -26,9 +26,12 @@ from fcp.context import PackedContext
 from fcp.ops.kda import kda
 from fcp.ops.kda.reference import kda_reference
 from tests import _kda_rank_fns as fns
-from tests.support.cp_jobs import GraphRecorder, cat_ranks
+from tests.support.cp_jobs import cat_ranks
 from tests.support.inputs import KDA_NAMES as NAMES, kda_inputs, rel_err
 from tests.support.kda_oracles import check, loop_doc, out_and_grads, per_document
+from tests.support.operator_checks import check_compiled_block_gradient, check_compiled_once
+from tests.support.operator_checks import EXTREME_DECAYS, check_documents_independent
+from tests.support.operator_checks import check_pad_inert, with_decay
 from tests.support.packing import doc_ids_from_lengths, random_doc_ids
 
 
@@ -93,17 +96,12 @@ def test_bf16_inputs():
     )
 
 
-@pytest.mark.parametrize("decay", ["-8", "0", "mixed", "-40"])
+@pytest.mark.parametrize("decay", EXTREME_DECAYS)
 @pytest.mark.parametrize("gate,value_heads", [("kda", 1), ("gdn", 2)])
 def test_extreme_decays_stay_finite_and_exact(gate, value_heads, decay):
-    """Full 64-token chunks with per-token log decay -8 (cumulative -512: naive exp(-cumsum)
-    would overflow fp32), 0, a mix of both, and an extreme -40."""
-    inputs = kda_inputs(1, 128, 1, value_heads, 16, 8, seed=3, gate=gate)
-    if decay == "mixed":
-        pick = torch.rand(inputs["g"].shape, generator=torch.Generator().manual_seed(0)) < 0.5
-        inputs["g"] = torch.where(pick, -8.0, 0.0)
-    else:
-        inputs["g"] = torch.full_like(inputs["g"], float(decay))
+    """Full 64-token chunks with the per-token log decays of :data:`~tests.support.
+    operator_checks.EXTREME_DECAYS`."""
+    inputs = with_decay(kda_inputs(1, 128, 1, value_heads, 16, 8, seed=3, gate=gate), "g", decay)
     doc_ids = doc_ids_from_lengths([([100], 28)])
     ctx = PackedContext(doc_ids)
     check(
@@ -161,33 +159,14 @@ def test_cp_matches_loop(rank_pool, gate, world, rows):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_other_documents_bitwise_unchanged(gate):
-    doc_ids = doc_ids_from_lengths([([5, 1, 20, 1, 30, 3], 4)])
-    inputs = kda_inputs(1, 64, 1, 2, 8, 8, seed=5, gate=gate)
-    ctx = PackedContext(doc_ids)
-    base = kda(*(inputs[n] for n in NAMES), ctx, chunk_size=16)
-    noise = kda_inputs(1, 64, 1, 2, 8, 8, seed=6, gate=gate)
-    for d in doc_ids.unique().tolist():
-        inside = doc_ids[0] == d
-        pert = {}
-        for n in NAMES:
-            m = inside.view(1, -1, *([1] * (inputs[n].dim() - 2)))
-            pert[n] = torch.where(m, noise[n] * 3, inputs[n])
-        out = kda(*(pert[n] for n in NAMES), ctx, chunk_size=16)
-        assert torch.equal(out[:, ~inside], base[:, ~inside]), d
-        assert not torch.equal(out[:, inside], base[:, inside]), d
+    def inputs(seq, seed):
+        return kda_inputs(1, seq, 1, 2, 8, 8, seed=seed, gate=gate)
+
+    check_documents_independent(kda, inputs, NAMES, chunk_size=16)
 
 
 def test_pad_tokens_finite_and_inert():
-    doc_ids = doc_ids_from_lengths([([10, 13], 9)])
-    inputs = kda_inputs(1, 32, 1, 1, 8, 8, seed=7)
-    inputs["v"][:, 23:] = 1e4  # garbage in the pad tail
-    ctx = PackedContext(doc_ids)
-    xs = {n: x.clone().requires_grad_() for n, x in inputs.items()}
-    out = kda(*(xs[n] for n in NAMES), ctx, chunk_size=16)
-    assert torch.isfinite(out).all()
-    out[:, 23:].sum().backward()
-    for n in NAMES:
-        assert torch.equal(xs[n].grad[:, :23], torch.zeros_like(xs[n].grad[:, :23])), n
+    check_pad_inert(kda, kda_inputs(1, 32, 1, 1, 8, 8, seed=7), NAMES, chunk_size=16)
 
 
 def test_input_validation():
@@ -232,26 +211,12 @@ def test_a_positive_log_decay_is_rejected_in_eager_mode_only(gate):
 @pytest.mark.parametrize("gate,packings", [("kda", 21), ("gdn", 8)])
 def test_compiled_equals_eager_without_recompiles(gate, packings):
     """fullgraph aot_eager over many packings: one compilation; no host sync in the graphs."""
-    torch._dynamo.reset()
-    recorder = GraphRecorder()
-    compiled = torch.compile(kda, fullgraph=True, backend=recorder)
     gen = torch.Generator().manual_seed(8)
     batch, seq = 2, 40
-    for i in range(packings):
-        ctx = PackedContext(random_doc_ids(gen, batch, seq))
-        inputs = kda_inputs(batch, seq, 1, 2, 8, 4, seed=100 + i, gate=gate)
-        grad_out = torch.randn(batch, seq, 2, 4, generator=gen)
-
-        def run(fn):
-            return out_and_grads(lambda *xs: fn(*xs, ctx, chunk_size=16), inputs, grad_out)
-
-        out_c, grads_c = run(compiled)
-        out_e, grads_e = run(kda)
-        assert rel_err(out_c, out_e) <= 1e-6
-        assert all(rel_err(grads_c[n], grads_e[n]) <= 1e-6 for n in NAMES)
-    assert recorder.frames == 1, recorder.frames
-    assert recorder.host_syncs() == [], recorder.host_syncs()
-    assert "aten.bmm.default" in recorder.ops  # the recorder saw the real aten graphs
+    cases = [(random_doc_ids(gen, batch, seq),
+              kda_inputs(batch, seq, 1, 2, 8, 4, seed=100 + i, gate=gate),
+              torch.randn(batch, seq, 2, 4, generator=gen)) for i in range(packings)]  # fmt: skip
+    check_compiled_once(kda, cases, NAMES, chunk_size=16)
 
 
 @pytest.mark.parametrize("gate,value_heads", [("kda", 1), ("gdn", 2)])
@@ -285,9 +250,4 @@ def test_compiled_backward_through_caller_views_of_the_inputs():
         beta = torch.sigmoid(view(bt).mean(-1))
         return kda(q, k, view(v), g, beta, ctx, chunk_size=8)
 
-    grads = []
-    for fn in (block, torch.compile(block, backend="aot_eager", fullgraph=True)):
-        w.grad = None
-        fn(x, w).pow(2).sum().backward()
-        grads.append(w.grad.clone())
-    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+    check_compiled_block_gradient(block, x, w)

@@ -1,7 +1,8 @@
 """Oracles and comparisons of the KDA / Gated DeltaNet tests (both gate kinds of ``fcp.kda``).
 
 Functions under comparison take the five operator inputs positionally, ``fn(q, k, v, g, beta)``,
-and return the output; :func:`check` compares the output and all five input gradients::
+and return the output; :func:`check` compares the output and all five input gradients (the
+operator-independent pieces: :mod:`tests.support.operator_checks`)::
 
     ctx = PackedContext(doc_ids)
     check(lambda *xs: kda(*xs, ctx),                                  # the operator
@@ -15,8 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from tests.support.inputs import KDA_NAMES, rel_err
-from tests.support.packing import ref_segments
+from tests.support import operator_checks
+from tests.support.inputs import KDA_NAMES
+from tests.support.operator_checks import per_document
+
+__all__ = ["check", "loop_doc", "out_and_grads", "per_document"]
 
 
 def loop_doc(q, k, v, g, beta, scale):
@@ -39,31 +43,12 @@ def loop_doc(q, k, v, g, beta, scale):
     return torch.stack(outs)
 
 
-def per_document(doc_fn, xs, doc_ids: torch.Tensor, scale: float) -> torch.Tensor:
-    """``doc_fn(q, k, v, g, beta, scale)`` run on every run (document or pad tail) of every
-    row of ``xs = (q, k, v, g, beta)``, ``[B, L, ...]`` each; fp64, differentiable."""
-    rows = []
-    for b in range(doc_ids.shape[0]):
-        bounds = ref_segments(doc_ids[b].tolist())
-        rows.append(torch.cat([doc_fn(*(x[b, s:e] for x in xs), scale).double()
-                               for s, e in zip(bounds[:-1], bounds[1:])]))  # fmt: skip
-    return torch.stack(rows)
-
-
 def out_and_grads(fn, inputs: dict, grad_out: torch.Tensor):
     """``(out, {name: gradient})`` of ``fn(q, k, v, g, beta)`` for ``sum(out * grad_out)``."""
-    xs = {n: x.clone().requires_grad_() for n, x in inputs.items()}
-    out = fn(*(xs[n] for n in KDA_NAMES))
-    grads = torch.autograd.grad(out, [xs[n] for n in KDA_NAMES], grad_out.to(out.dtype))
-    return out.detach(), dict(zip(KDA_NAMES, grads))
+    return operator_checks.out_and_grads(fn, inputs, grad_out, KDA_NAMES)
 
 
 def check(fn_a, fn_b, inputs, grad_out, tol) -> dict:
     """Output and every input gradient of ``fn_a`` finite and within ``tol`` (rel) of
     ``fn_b``'s; returns the errors."""
-    out_a, grads_a = out_and_grads(fn_a, inputs, grad_out)
-    out_b, grads_b = out_and_grads(fn_b, inputs, grad_out)
-    errs = {"out": rel_err(out_a, out_b), **{n: rel_err(grads_a[n], grads_b[n]) for n in KDA_NAMES}}
-    assert all(torch.isfinite(x).all() for x in [out_a, *grads_a.values()])
-    assert max(errs.values()) <= tol, errs
-    return errs
+    return operator_checks.check(fn_a, fn_b, inputs, grad_out, tol, KDA_NAMES)

@@ -1,0 +1,126 @@
+"""The transformers families of the standard parity battery (``tests/test_hf_families.py``): what
+each one is, and the documents every family's reference shares.
+
+A family is a row of :data:`FAMILIES`: its tiny configuration (:mod:`tests.support.hf_reference`),
+the fcp mixer kind expected for each of its transformers mixer classes, its ``*ForCausalLM``
+class, how many Hypothesis packings its parity test draws, and over how many packings its
+compiled mixers are checked for recompiles (0: checked elsewhere, on the whole model)::
+
+    family = FAMILIES["lfm2"]
+    family.mixers   # {"Lfm2Attention": GqaMixer, "Lfm2ShortConv": GatedShortConvMixer}
+
+:data:`VARIANTS` are configuration variants of a family that take other branches of its adapters
+(their tests: ``tests/test_hf_mamba2_lfm2.py``). The references of every family and variant come
+from one subprocess per session (the ``hf_references`` fixture of ``conftest.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fcp.integrations.hf import (
+    GatedDeltaNetMixer,
+    GatedShortConvMixer,
+    GqaMixer,
+    KdaMixer,
+    MlaMixer,
+    SsdMixer,
+)
+from tests.support.hf_packings import document_packings
+from tests.support.hf_reference import (
+    BAILING_HYBRID_TINY,
+    BAMBA_TINY,
+    FALCON_H1_TINY,
+    GRANITE_HYBRID_TINY,
+    KIMI_TINY,
+    LFM2_MOE_TINY,
+    LFM2_TINY,
+    NEMOTRON_H_TINY,
+    OLMO_HYBRID_TINY,
+    QWEN3_5_MOE_TINY,
+    QWEN3_5_TINY,
+    QWEN3_NEXT_TINY,
+)
+
+HIDDEN = 32
+#: the shared pool of documents: shorter than the conv width (1, 2, 3), around a chunk of a
+#: rank's shard, up to 37 tokens
+LENGTHS = [1, 2, 3, 5, 8, 13, 22, 37]
+#: Hypothesis packings of the pool (:func:`~tests.support.hf_packings.document_packings`)
+packings = document_packings(LENGTHS)
+SEED = 5  # of the pool's token ids and cotangents
+
+
+@dataclass(frozen=True)
+class Family:
+    config: dict
+    #: transformers mixer class name -> the fcp mixer kind that must replace it
+    mixers: dict
+    causal_lm: str
+    examples: int
+    compile_steps: int
+
+
+def _gdn(prefix: str) -> dict:
+    return {f"{prefix}Attention": GqaMixer, f"{prefix}GatedDeltaNet": GatedDeltaNetMixer}
+
+
+FAMILIES = {
+    # KDA + MLA; Gated DeltaNet + gated GQA (their whole models compile: test_hf_kimi_qwen3next)
+    "kimi_linear": Family(KIMI_TINY, {"KimiLinearAttention": MlaMixer,
+                                      "KimiLinearDeltaAttention": KdaMixer},
+                          "KimiLinearForCausalLM", examples=6, compile_steps=0),
+    "qwen3_next": Family(QWEN3_NEXT_TINY, _gdn("Qwen3Next"), "Qwen3NextForCausalLM", examples=6,
+                         compile_steps=0),
+    # Gated DeltaNet variants, KDA + MLA with RoPE
+    "qwen3_5": Family(QWEN3_5_TINY, _gdn("Qwen3_5"), "Qwen3_5ForCausalLM", examples=3,
+                      compile_steps=10),
+    "qwen3_5_moe": Family(QWEN3_5_MOE_TINY, _gdn("Qwen3_5Moe"), "Qwen3_5MoeForCausalLM",
+                          examples=3, compile_steps=10),
+    "olmo_hybrid": Family(OLMO_HYBRID_TINY, _gdn("OlmoHybrid"), "OlmoHybridForCausalLM",
+                          examples=3, compile_steps=10),
+    "bailing_hybrid": Family(BAILING_HYBRID_TINY, {"BailingHybridAttention": MlaMixer,
+                                                   "BailingHybridDeltaAttention": KdaMixer},
+                             "BailingHybridForCausalLM", examples=3, compile_steps=10),
+    # Mamba2 hybrids; gated short conv + GQA
+    "nemotron_h": Family(NEMOTRON_H_TINY, {"NemotronHAttention": GqaMixer,
+                                           "NemotronHMamba2Mixer": SsdMixer},
+                         "NemotronHForCausalLM", examples=2, compile_steps=5),
+    "granitemoehybrid": Family(GRANITE_HYBRID_TINY, {"GraniteMoeHybridAttention": GqaMixer,
+                                                     "GraniteMoeHybridMambaLayer": SsdMixer},
+                               "GraniteMoeHybridForCausalLM", examples=2, compile_steps=5),
+    "falcon_h1": Family(FALCON_H1_TINY, {"FalconH1Attention": GqaMixer, "FalconH1Mixer": SsdMixer},
+                        "FalconH1ForCausalLM", examples=2, compile_steps=5),
+    "bamba": Family(BAMBA_TINY, {"BambaAttention": GqaMixer, "BambaMixer": SsdMixer},
+                    "BambaForCausalLM", examples=2, compile_steps=5),
+    "lfm2": Family(LFM2_TINY, {"Lfm2Attention": GqaMixer, "Lfm2ShortConv": GatedShortConvMixer},
+                   "Lfm2ForCausalLM", examples=2, compile_steps=5),
+    "lfm2_moe": Family(LFM2_MOE_TINY, {"Lfm2MoeAttention": GqaMixer,
+                                       "Lfm2MoeShortConv": GatedShortConvMixer},
+                       "Lfm2MoeForCausalLM", examples=2, compile_steps=5),
+}  # fmt: skip
+
+#: configuration variants that take other branches of the adapters: Falcon-H1 without its gated
+#: norm (``y * silu(z)``), Granite 4.0-H without RoPE; ``{name: (family, config)}``
+VARIANTS = {"falcon_h1_no_norm": ("falcon_h1", dict(FALCON_H1_TINY, mamba_rms_norm=False)),
+            "granite_nope": ("granitemoehybrid",
+                             dict(GRANITE_HYBRID_TINY, position_embedding_type=None))}  # fmt: skip
+
+
+def references() -> dict:
+    """``{family or variant: reference}`` (:func:`tests._hf_rank_fns.references`) of every row
+    of :data:`FAMILIES` and :data:`VARIANTS`, from one subprocess."""
+    from tests import _hf_rank_fns as fns
+
+    configs = {name: f.config for name, f in FAMILIES.items()}
+    configs.update({name: config for name, (_, config) in VARIANTS.items()})
+    families = {name: family for name, (family, _) in VARIANTS.items()}
+    return fns.references(configs, LENGTHS, HIDDEN, seed=SEED, families=families)
+
+
+def documents() -> dict:
+    """The pool of documents alone (``docs``, ``cots``: what :func:`tests._hf_rank_fns.pack`
+    reads), for tests that need no transformers outputs."""
+    from tests import _hf_rank_fns as fns
+
+    return fns.documents(LENGTHS, HIDDEN, SEED)
