@@ -81,12 +81,9 @@ def _loss(name, model, local, ctx, vocab):
         return torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), local["labels"].flatten(), ignore_index=-100, reduction="sum"
         )
-    # transformers' Qwen3NextModel builds a [batch, 1, seq, seq] causal mask from a missing
-    # attention_mask (eager attention): 16 GiB at 64k tokens, and fcp's layers never read it.
-    # A ready mask mapping skips that construction.
-    no_mask = {"full_attention": None, "linear_attention": None}
-    out = model(input_ids=ids, attention_mask=no_mask, cp_context=ctx,
-                use_cache=False).last_hidden_state  # fmt: skip
+    # under a context enable_packed_cp hands the model an empty mask mapping: no [seq, seq]
+    # causal mask is built (16 GiB at 64k tokens)
+    out = model(input_ids=ids, cp_context=ctx).last_hidden_state
     return out.float().square().mean()
 
 

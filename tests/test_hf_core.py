@@ -177,3 +177,36 @@ def test_rope_tables_are_transformers_own(rope_type):
     torch._dynamo.reset()
     compiled = torch.compile(rope_tables, fullgraph=True, backend="aot_eager", dynamic=False)
     assert all(torch.equal(g, w) for g, w in zip(compiled(config, positions, x.dtype), want))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+def test_no_sequence_by_sequence_mask_is_built_under_a_context(family):
+    """transformers' eager causal mask is ``[batch, 1, seq, seq]`` (16 GiB at 64k tokens) and
+    fcp's mixers never read it: under a context the model gets an empty mask mapping."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seq = 97  # prime: no layer width equals it
+
+    class SquareOutputs(TorchDispatchMode):
+        found: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2:] == (seq, seq):
+                    self.found.append(str(func))
+            return out
+
+    model = enable_packed_cp(build(family, CONFIGS[family]))
+    ids = torch.randint(1, 100, (1, seq))
+    local, ctx = fcp.shard_batch(None, {"input_ids": ids, "seq_lens": torch.tensor([[40, 57]])})
+    with torch.no_grad(), SquareOutputs() as mode:
+        model(input_ids=local["input_ids"], cp_context=ctx)
+    assert mode.found == [], mode.found
+    from transformers.masking_utils import create_causal_mask
+
+    with torch.no_grad(), SquareOutputs() as mode:  # what the model would have built
+        create_causal_mask(config=model.config, inputs_embeds=torch.zeros(1, seq, 8),
+                           attention_mask=None, cache=None,
+                           position_ids=torch.arange(seq)[None])  # fmt: skip
+    assert mode.found, "the probe no longer sees transformers' mask"

@@ -46,13 +46,22 @@ from torch import nn
 
 from fcp.context import PackedContext, check_context
 
-__all__ = ["MULTIMODAL_INPUTS", "ContextScope", "FcpMixer", "packed_class", "replace"]
+__all__ = ["MULTIMODAL_INPUTS", "ContextScope", "FcpMixer", "NoMasks", "packed_class", "replace"]
 
 #: A model forward's image / video arguments, refused with a ``cp_context``: under CP a vision
 #: tower would see every rank's image while the rank holds a shard of its placeholder tokens, and
 #: their mRoPE positions (3-D, not document-local) would be dropped.
 MULTIMODAL_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
                      "mm_encoder_outputs")  # fmt: skip
+
+
+class NoMasks(dict):
+    """transformers' per-layer-type mask mapping, empty: every layer type gets ``None``. Given as
+    ``attention_mask`` under a ``cp_context``, it keeps a model from building masks that fcp's
+    mixers never read (transformers' text models take a ready mapping as it is)."""
+
+    def __missing__(self, key):
+        return None
 
 
 class FcpMixer(nn.Module):
@@ -184,8 +193,24 @@ class ContextScope:
         positional = tuple(n for n, p in params.items()
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))  # fmt: skip
         scope = ContextScope(mixers, "use_cache" in params, positional)
+        # a model that holds the decoder layers builds transformers' masks itself: under a
+        # context it gets the mapping "no mask" instead (fcp's mixers take the documents from
+        # the context; an eager causal mask alone is [batch, 1, seq, seq], 16 GiB at 64k tokens)
+        scope.no_masks = "attention_mask" in params and isinstance(
+            getattr(model, "layers", None), nn.ModuleList)
         model.register_forward_pre_hook(scope.enter, with_kwargs=True)
         model.register_forward_hook(scope.exit, with_kwargs=True, always_call=True)
+
+    no_masks = False
+
+    def without_masks(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with the attention mask replaced by :class:`NoMasks`."""
+        if "attention_mask" in self.positional[: len(args)]:
+            i = self.positional.index("attention_mask")
+            args = (*args[:i], NoMasks(), *args[i + 1 :])
+        else:
+            kwargs = dict(kwargs, attention_mask=NoMasks())
+        return args, kwargs
 
     def arguments(self, args: tuple, kwargs: dict) -> dict:
         """The forward's arguments by name, positional ones included."""
@@ -201,6 +226,8 @@ class ContextScope:
         _check_text_only(self.arguments(args, kwargs), fn)
         if self.default_no_cache and "use_cache" not in kwargs:
             kwargs = dict(kwargs, use_cache=False)
+        if self.no_masks:
+            args, kwargs = self.without_masks(args, kwargs)
         for name, mixer in self.mixers:
             mixer.fcp_expected_by = (*mixer.fcp_expected_by, name)
         return args, kwargs
