@@ -63,6 +63,14 @@ tokens within a few percent of the loop; inductor compile of fwd+bwd at 16k toke
 time at 1k (the loop: linear in the chunks); once compiled, ~15% slower than the compiled loop
 at 4k (6 instead of 2 ``K^3`` units of work per chunk forward: ``C = K`` leaves no low rank).
 
+Compilation: both scans are ``torch.library`` custom ops (``fcp::chunk_scan_fwd`` /
+``_bwd``, ``fcp::decay_scan_fwd`` / ``_bwd``, fake kernels and autograd registered, checked by
+``opcheck``). The tree's shape is Python control flow on the chunk count; traced, it guarded on
+every level's parity, so each new row length recompiled even with a dynamic sequence dimension.
+Opaque, a graph holds one node per scan whatever the count, and a dynamic length compiles once.
+The forward hands the backward the up-sweep's levels packed into one ``[..., 2 N + 64, K, K]``
+buffer (a size a fake kernel can state; their count is ``ceil(log2 N) + 1``).
+
 Exactness: documents stay bitwise separated for finite inputs, as with the loop. In a chunk whose
 last token is in a run that is not the carried one, ``dec_i = 0`` and the nonzero rows of ``kd_i``
 (last run) and ``w_i`` (carried run) are disjoint, so ``A_i`` is an exact zero; every composite
@@ -85,6 +93,8 @@ so no term of an earlier document reaches a later one.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -165,51 +175,132 @@ def _rev_down(la, gl, x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# the scan with its hand-written backward
+# the scan with its hand-written backward, as opaque custom ops
 # ---------------------------------------------------------------------------------------------
-class _ChunkScan(torch.autograd.Function):
-    """``(w, u0, kd, dec, s0) -> (states, pseudo, final)``; see the module docstring."""
+# The tree's shape (levels, odd nodes) is Python control flow on the chunk count. Traced by
+# torch.compile, it would specialise the graph on that count (a guard per level's parity: every
+# new row length recompiles, even with a dynamic sequence dimension). As custom ops the tree
+# runs eagerly inside one graph node whose fake kernel gives the output shapes as expressions of
+# the chunk count, so a dynamic length compiles once.
 
-    @staticmethod
-    def forward(ctx, w, u0, kd, dec, s0):
-        kd_t = _t(kd)
-        a = (kd_t @ w).neg_()  # A_i = diag(dec_i) - kd_i^T w_i
-        a.diagonal(dim1=-2, dim2=-1).add_(dec)
-        b = kd_t @ u0  # B_i = kd_i^T u0_i
-        la, lb = _up(a, b)
-        if s0 is None:
-            x0 = b.new_zeros(*b.shape[:-3], 1, *b.shape[-2:])
-        else:
-            x0 = s0[..., None, :, :].to(b.dtype)
-        states = _down(la, lb, x0)
-        final = (la[-1] @ x0).add_(lb[-1])[..., 0, :, :]
-        pseudo = (w @ states).neg_().add_(u0)
-        ctx.has_s0 = s0 is not None
-        ctx.save_for_backward(w, kd, states, pseudo, *la)
-        return states, pseudo, final
+#: Extra rows of the packed tree levels: ``sum_l ceil(N / 2^l) < 2 N + levels`` and there are
+#: at most 62 levels (N < 2**62).
+_TREE_SLACK = 64
 
-    @staticmethod
-    def backward(ctx, g_states, g_pseudo, g_final):
-        w, kd, states, pseudo, *la = ctx.saved_tensors
-        if g_pseudo is None:
-            g_pseudo = torch.zeros_like(pseudo)
-        g = (_t(w) @ g_pseudo).neg_()  # dLoss/dS_i through u_i, plus the direct state gradient
-        if g_states is not None:
-            g = g.add_(g_states)
+
+def _pack_levels(levels: list[torch.Tensor]) -> torch.Tensor:
+    """The up-sweep's levels ``[..., n_l, K, K]`` in one ``[..., 2 N + 64, K, K]`` buffer (a
+    size the fake kernel can state; the tail is zero)."""
+    n = levels[0].shape[-3]
+    used = sum(t.shape[-3] for t in levels)
+    tail = levels[0].new_zeros(*levels[0].shape[:-3], 2 * n + _TREE_SLACK - used,
+                               *levels[0].shape[-2:])  # fmt: skip
+    return torch.cat([*levels, tail], -3)
+
+
+def _unpack_levels(packed: torch.Tensor, n: int) -> list[torch.Tensor]:
+    levels, at = [], 0
+    while True:
+        levels.append(packed[..., at : at + n, :, :])
+        at += n
+        if n <= 1:
+            return levels
+        n = -(-n // 2)
+
+
+@torch.library.custom_op("fcp::chunk_scan_fwd", mutates_args=())
+def chunk_scan_fwd(w: torch.Tensor, u0: torch.Tensor, kd: torch.Tensor, dec: torch.Tensor,
+                   s0: Optional[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(states, pseudo, final, levels)``: :func:`chunk_scan`'s results and the up-sweep's
+    levels of ``A`` packed for the backward (``[..., 2 N + 64, K, K]``)."""
+    kd_t = _t(kd)
+    a = (kd_t @ w).neg_()  # A_i = diag(dec_i) - kd_i^T w_i
+    a.diagonal(dim1=-2, dim2=-1).add_(dec)
+    b = kd_t @ u0  # B_i = kd_i^T u0_i
+    if s0 is None:
+        x0 = b.new_zeros(*b.shape[:-3], 1, *b.shape[-2:])
+    else:
+        x0 = s0[..., None, :, :].to(b.dtype)
+    if a.shape[-3] == 0:  # no chunks: nothing happens to the state
+        return b.clone(), u0.clone(), x0[..., 0, :, :].clone(), _pack_levels([a])
+    la, lb = _up(a, b)
+    states = _down(la, lb, x0)
+    if states is x0:  # one chunk: the state entering it is s0 (outputs never alias inputs)
+        states = x0.clone()
+    final = (la[-1] @ x0).add_(lb[-1])[..., 0, :, :]
+    pseudo = (w @ states).neg_().add_(u0)
+    return states, pseudo, final, _pack_levels(la)
+
+
+@chunk_scan_fwd.register_fake
+def _(w, u0, kd, dec, s0):
+    n, k, v = w.shape[-3], w.shape[-1], u0.shape[-1]
+    lead = u0.shape[:-3]
+    return (u0.new_empty(*lead, n, k, v), u0.new_empty(u0.shape), u0.new_empty(*lead, k, v),
+            u0.new_empty(*lead, 2 * n + _TREE_SLACK, k, k))  # fmt: skip
+
+
+@torch.library.custom_op("fcp::chunk_scan_bwd", mutates_args=())
+def chunk_scan_bwd(w: torch.Tensor, kd: torch.Tensor, states: torch.Tensor,
+                   pseudo: torch.Tensor, levels: torch.Tensor, g_states: Optional[torch.Tensor],
+                   g_pseudo: Optional[torch.Tensor], g_final: Optional[torch.Tensor],
+                   want_ds0: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor]:  # fmt: skip
+    """``(dw, du0, dkd, ddec, ds0)`` (``ds0`` empty unless ``want_ds0``); see the module
+    docstring's backward."""
+    la = _unpack_levels(levels, w.shape[-3])
+    if g_pseudo is None:
+        g_pseudo = torch.zeros_like(pseudo)
+    g = (_t(w) @ g_pseudo).neg_()  # dLoss/dS_i through u_i, plus the direct state gradient
+    if g_states is not None:
+        g = g.add_(g_states)
+    if g_final is None:
+        x_end = g.new_zeros(*g.shape[:-3], 1, *g.shape[-2:])
+    else:
+        x_end = g_final[..., None, :, :].to(g.dtype)
+    ds0 = g.new_zeros(0)
+    if w.shape[-3] == 0:  # no chunks: final = s0
+        lam = g
+        if want_ds0:
+            ds0 = x_end[..., 0, :, :].clone()
+    else:
         gl = _rev_up(la, g)
-        if g_final is None:
-            x_end = g.new_zeros(*g.shape[:-3], 1, *g.shape[-2:])
-        else:
-            x_end = g_final[..., None, :, :]
         lam = _rev_down(la, gl, x_end)  # L_{i+1}
-        du0 = (kd @ lam).add_(g_pseudo)
-        dw = (du0 @ _t(states)).neg_()
-        dkd = pseudo @ _t(lam)
-        ddec = (lam * states).sum(-1)
-        ds0 = None
-        if ctx.has_s0 and ctx.needs_input_grad[4]:
+        if want_ds0:
             ds0 = (_t(la[-1]) @ x_end).add_(gl[-1])[..., 0, :, :]
-        return dw, du0, dkd, ddec, ds0
+    du0 = (kd @ lam).add_(g_pseudo)
+    dw = (du0 @ _t(states)).neg_()
+    dkd = pseudo @ _t(lam)
+    ddec = (lam * states).sum(-1)
+    return dw, du0, dkd, ddec, ds0
+
+
+@chunk_scan_bwd.register_fake
+def _(w, kd, states, pseudo, levels, g_states, g_pseudo, g_final, want_ds0):
+    ds0 = states.new_empty(*states.shape[:-3], *states.shape[-2:]) if want_ds0 else (
+        states.new_empty(0))
+    return (w.new_empty(w.shape), pseudo.new_empty(pseudo.shape), kd.new_empty(kd.shape),
+            states.new_empty(states.shape[:-1]), ds0)  # fmt: skip
+
+
+def _chunk_scan_setup(ctx, inputs, output):
+    w, _, kd, _, s0 = inputs
+    states, pseudo, _, levels = output
+    ctx.has_s0 = s0 is not None
+    ctx.save_for_backward(w, kd, states, pseudo, levels)
+
+
+def _chunk_scan_backward(ctx, g_states, g_pseudo, g_final, _g_levels):
+    w, kd, states, pseudo, levels = ctx.saved_tensors
+    want_ds0 = ctx.has_s0 and ctx.needs_input_grad[4]
+    dw, du0, dkd, ddec, ds0 = chunk_scan_bwd(w, kd, states, pseudo, levels, g_states,
+                                             g_pseudo, g_final, want_ds0)  # fmt: skip
+    return dw, du0, dkd, ddec, (ds0 if want_ds0 else None)
+
+
+chunk_scan_fwd.register_autograd(_chunk_scan_backward, setup_context=_chunk_scan_setup)
 
 
 def chunk_scan(
@@ -233,7 +324,8 @@ def chunk_scan(
         loop above stacks and ends with). Differentiable in all inputs (hand-written backward:
         no double backward, forward-mode AD or vmap).
     """
-    return _ChunkScan.apply(w, u0, kd, dec, s0)
+    states, pseudo, final, _ = chunk_scan_fwd(w, u0, kd, dec, s0)
+    return states, pseudo, final
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,28 +397,72 @@ def _adjoint_sweeps(dec: torch.Tensor, g: torch.Tensor, x_end: torch.Tensor):
     return after, torch.addcmul(lg[-1], ld[-1], x_end)[..., 0, :, :]
 
 
-class _DecayScan(torch.autograd.Function):
-    """``(dec, b, s0) -> (states, final)``; see "Diagonal transitions" in the module docstring."""
+@torch.library.custom_op("fcp::decay_scan_fwd", mutates_args=())
+def decay_scan_fwd(dec: torch.Tensor, b: torch.Tensor,
+                   s0: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(states, final)`` of :func:`decay_scan` (an opaque op, like :func:`chunk_scan_fwd`)."""
+    x0 = b.new_zeros(*b.shape[:-3], 1, *b.shape[-2:]) if s0 is None else s0[..., None, :, :]
+    if b.shape[-3] == 0:
+        shape = torch.broadcast_shapes(b.shape, dec.shape, x0.shape[:-3] + (0,) + x0.shape[-2:])
+        return b.new_empty(shape), x0[..., 0, :, :].expand(shape[:-3] + shape[-2:]).to(b.dtype, copy=True)
+    states, final = _decay_sweeps(dec, b, x0)
+    return states, final.to(b.dtype)
 
-    @staticmethod
-    def forward(ctx, dec, b, s0):
-        x0 = b.new_zeros(*b.shape[:-3], 1, *b.shape[-2:]) if s0 is None else s0[..., None, :, :]
-        states, final = _decay_sweeps(dec, b, x0)
-        ctx.has_s0 = s0 is not None
-        ctx.save_for_backward(states, dec)
-        return states, final
 
-    @staticmethod
-    def backward(ctx, g_states, g_final):
-        states, dec = ctx.saved_tensors
-        g = torch.zeros_like(states) if g_states is None else g_states
-        if g_final is None:
-            x_end = g.new_zeros(*g.shape[:-3], 1, *g.shape[-2:])
-        else:
-            x_end = g_final[..., None, :, :]
+@decay_scan_fwd.register_fake
+def _(dec, b, s0):
+    x_shape = b.shape[:-3] + b.shape[-2:] if s0 is None else s0.shape
+    shape = torch.broadcast_shapes(b.shape, dec.shape, x_shape[:-2] + (1,) + x_shape[-2:])
+    return b.new_empty(shape), b.new_empty(shape[:-3] + shape[-2:])
+
+
+@torch.library.custom_op("fcp::decay_scan_bwd", mutates_args=())
+def decay_scan_bwd(states: torch.Tensor, dec: torch.Tensor, b_like: torch.Tensor,
+                   s0_like: Optional[torch.Tensor], g_states: Optional[torch.Tensor],
+                   g_final: Optional[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ddec, db, ds0)`` shaped like ``dec``, ``b_like`` and ``s0_like`` (``ds0`` empty when
+    ``s0_like`` is ``None``); only the shapes of ``b_like`` and ``s0_like`` are read."""
+    g = torch.zeros_like(states) if g_states is None else g_states
+    if g_final is None:
+        x_end = g.new_zeros(*g.shape[:-3], 1, *g.shape[-2:])
+    else:
+        x_end = g_final[..., None, :, :].expand(*g.shape[:-3], 1, *g.shape[-2:])
+    if g.shape[-3] == 0:
+        lam, ds0 = g, x_end[..., 0, :, :].clone()
+    else:
         lam, ds0 = _adjoint_sweeps(dec, g, x_end)  # L_{i+1}, L_0
-        ddec = (lam * states).sum_to_size(dec.shape)
-        return ddec, lam, (ds0 if ctx.has_s0 and ctx.needs_input_grad[2] else None)
+    ddec = (lam * states).sum_to_size(dec.shape)
+    db = lam.sum_to_size(b_like.shape)
+    ds0 = g.new_zeros(0) if s0_like is None else ds0.sum_to_size(s0_like.shape)
+    if db is g_states:  # no chunks: outputs never alias inputs
+        db = db.clone()
+    return ddec, db, ds0
+
+
+@decay_scan_bwd.register_fake
+def _(states, dec, b_like, s0_like, g_states, g_final):
+    ds0 = states.new_empty(0) if s0_like is None else states.new_empty(s0_like.shape)
+    return states.new_empty(dec.shape), states.new_empty(b_like.shape), ds0
+
+
+def _decay_scan_setup(ctx, inputs, output):
+    dec, b, s0 = inputs
+    ctx.has_s0 = s0 is not None
+    # shapes only (empty expands): the backward needs no copy of b or s0
+    b_like = b.new_empty(()).expand(b.shape)
+    s0_like = None if s0 is None else s0.new_empty(()).expand(s0.shape)
+    ctx.save_for_backward(output[0], dec, b_like, s0_like)
+
+
+def _decay_scan_backward(ctx, g_states, g_final):
+    states, dec, b_like, s0_like = ctx.saved_tensors
+    ddec, db, ds0 = decay_scan_bwd(states, dec, b_like, s0_like, g_states, g_final)
+    want_ds0 = ctx.has_s0 and ctx.needs_input_grad[2]
+    return ddec, db, (ds0 if want_ds0 else None)
+
+
+decay_scan_fwd.register_autograd(_decay_scan_backward, setup_context=_decay_scan_setup)
 
 
 def decay_scan(
@@ -352,7 +488,7 @@ def decay_scan(
     >>> states.flatten().tolist(), final.item()
     ([0.0, 1.0, 1.0], 2.0)
     """
-    return _DecayScan.apply(dec, b, s0)
+    return decay_scan_fwd(dec, b, s0)
 
 
 def fold_maps(blocks: torch.Tensor) -> torch.Tensor:
