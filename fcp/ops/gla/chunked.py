@@ -37,11 +37,12 @@ How it stays exact and static:
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fcp.comm import state_chain
 from fcp.context import PackedContext
 from fcp.layout import document_starts
-from fcp.ops.kit.common import compute_dtype
+from fcp.ops.kit.common import compute_dtype, repeat_last, trim
 from fcp.scan import decay_scan
 
 __all__ = ["boundary_decays", "chunk_runs", "entry_products", "gla_chunked", "segment_sums"]
@@ -64,8 +65,8 @@ def chunk_runs(context: PackedContext, chunks: int, chunk_size: int):
     s0 = context.seq_start
     local = seg[:, s0 : context.seq_end]
     n_pad = chunks * chunk_size - local.shape[1]
-    if n_pad:
-        local = torch.cat([local, local[:, -1:].expand(-1, n_pad)], 1)
+    if not statically_known_true(n_pad == 0):  # an index, not a `cat`: no guard on n_pad
+        local = local[:, repeat_last(local.shape[1], n_pad, seg.device)]
     local = local.reshape(seg.shape[0], chunks, chunk_size)
     before = seg[:, s0 - 1 : s0] if s0 > 0 else torch.zeros_like(seg[:, :1])
     return local, torch.cat([before, local[:, :-1, -1]], 1)
@@ -160,7 +161,7 @@ def gla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
 
     def tokens(x: torch.Tensor) -> torch.Tensor:
         # [B, T, X, D] -> [B, N, C, X, D] in the compute dtype, zero-padded at the end
-        if n * c > length:
+        if not statically_known_true(n * c == length):
             x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, n * c - length))
         return x.to(dt).reshape(bsz, n, c, *x.shape[2:])
 
@@ -204,4 +205,4 @@ def gla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     decay_in = decay_in.permute(0, 1, 3, 4, 2)[..., None]  # [B, G, N, C, R, 1]
     out = (decay_in * inter).add_(intra)  # [B, G, N, C, R, V]
     out = out.permute(0, 2, 3, 1, 4, 5).reshape(bsz, n * c, heads, dv)
-    return out[:, :length].to(v.dtype)
+    return trim(out, length, v.dtype)

@@ -31,11 +31,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fcp.comm import state_chain
 from fcp.context import PackedContext
 from fcp.layout import document_starts
-from fcp.ops.kit.common import compute_dtype, default_scale
+from fcp.ops.kit.common import compute_dtype, default_scale, repeat_last, trim
 from fcp.scan import chunk_scan
 
 __all__ = ["kda_chunked"]
@@ -85,8 +86,10 @@ def _segment_ids(context: PackedContext, n_pad: int) -> tuple[torch.Tensor, torc
     seg = torch.cumsum(document_starts(context.doc_ids), 1)  # >= 1
     s0, s1 = context.seq_start, context.seq_end
     local = seg[:, s0:s1]
-    if n_pad:
-        local = torch.cat([local, local[:, -1:].expand(-1, n_pad)], 1)
+    if not statically_known_true(n_pad == 0):
+        # the last token's run repeated by an index (a `cat` would guard on n_pad == 0 and
+        # specialise a dynamic length)
+        local = local[:, repeat_last(local.shape[1], n_pad, seg.device)]
     prev = seg[:, s0 - 1 : s0] if s0 > 0 else torch.zeros_like(seg[:, :1])
     return local, prev
 
@@ -291,7 +294,7 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         x = x.to(dt)
         if heads_repeat > 1:
             x = x.repeat_interleave(heads_repeat, dim=2)
-        if n_pad:
+        if not statically_known_true(n_pad == 0):
             x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, n_pad))
         return x.reshape(bsz, n, c, hv, x.shape[-1]).permute(0, 3, 1, 2, 4)
 
@@ -327,5 +330,4 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         s_in = state_chain(state[..., dv:], state[..., :dv], context).to(dt)
         # Only tokens of the run going on at the shard start have a nonzero response row.
         out = out[..., :dv] + out[..., dv:] @ s_in[:, :, None]
-    out = out.permute(0, 2, 3, 1, 4).reshape(bsz, n * c, hv, dv)[:, :length]
-    return out.to(v.dtype)
+    return trim(out.permute(0, 2, 3, 1, 4).reshape(bsz, n * c, hv, dv), length, v.dtype)

@@ -22,6 +22,7 @@ what this operator returns for the poisoned document is unspecified.
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fcp.checks import check_choice, check_float
 
@@ -30,6 +31,8 @@ __all__ = [
     "default_scale",
     "compute_dtype",
     "finite_or_zero",
+    "repeat_last",
+    "trim",
     "zero_nonfinite_grad",
 ]
 
@@ -77,3 +80,28 @@ class _ZeroNonfiniteGrad(torch.autograd.Function):
 def zero_nonfinite_grad(x: torch.Tensor) -> torch.Tensor:
     """Identity whose backward replaces non-finite gradient entries by 0."""
     return _ZeroNonfiniteGrad.apply(x)
+
+
+def repeat_last(n: int, extra: int, device: torch.device | None = None) -> torch.Tensor:
+    """int64 ``[n + extra]`` index ``0, 1, .., n - 1, n - 1, ..`` (``n >= 1``): indexing with it
+    extends a sequence by repeating its last element ``extra`` times. Unlike ``torch.cat`` with
+    an expanded tail, it has no special case for ``extra == 0``, so a compiled graph with a
+    dynamic length does not specialise on it.
+
+    >>> repeat_last(3, 2).tolist()
+    [0, 1, 2, 2, 2]
+    """
+    return torch.arange(n + extra, device=device).clamp_(max=n - 1)
+
+
+def trim(x: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``n`` positions of ``x [batch, padded, ...]`` (dim 1) in ``dtype``, contiguous.
+
+    Where padding is cut off, the result is a fresh contiguous copy: a strided slice would make
+    later ``view``s check contiguity, and with a dynamic length that check is a guard that
+    specialises the compiled graph on ``n`` modulo the padding multiple.
+    """
+    if statically_known_true(x.shape[1] == n):
+        return x.to(dtype)
+    part = x[:, :n]
+    return part.new_empty(part.shape, dtype=dtype).copy_(part)  # no contiguity test of `part`

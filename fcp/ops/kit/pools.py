@@ -418,8 +418,10 @@ def pool_top(q: torch.Tensor, keys: torch.Tensor, head_weights: Optional[torch.T
     local query, ``chunk`` queries at a time, each chunk against its :func:`slot_window` only.
 
     ``q`` fp32 ``[b, L, Hi, Di]``, ``keys`` fp32 ``[b, P, Di]``, ``slots`` the pool ends ``[b,
-    P]``; returns ``(slot, chosen, chosen_score)`` ``[b, L, n_pools]`` with global slot ids."""
+    P]``; returns ``(slot, chosen, chosen_score)`` ``[b, L, n_pools]`` with global slot ids;
+    ``chunk=0`` is :func:`score_chunk_rows`' default."""
     batch, local = q.shape[:2]
+    chunk = chunk or score_chunk_rows(batch, local, band, kpool)
     slot = q.new_zeros(batch, local, n_pools, dtype=torch.int64)
     chosen = q.new_zeros(batch, local, n_pools, dtype=torch.bool)
     picked = q.new_zeros(batch, local, n_pools)
@@ -463,8 +465,9 @@ def select_pools(q: torch.Tensor, keys: torch.Tensor, plan: PoolPlan, context: P
     (:data:`TAIL_LAYOUTS`; none when ``kpool == 1``).
     """
     band = context.key_band
-    if chunk is None:
-        chunk = score_chunk_rows(q.shape[0], context.local_seq_len, band, kpool)
+    # 0: the op picks the default itself, on concrete sizes, so that a dynamic length does not
+    # specialise the graph on the chunking (results do not depend on it)
+    chunk = 0 if chunk is None else chunk
     slot, chosen, chosen_score = pool_top(q, keys, head_weights, plan.slots, context.doc_ids,
                                           context.seq_start, kpool, band, n_pools, scale,
                                           divisor, chunk)  # fmt: skip

@@ -40,9 +40,10 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fcp.layout import OUTSIDE_DOC_ID, PAD_DOC_ID
-from fcp.ops.kit.common import compute_dtype
+from fcp.ops.kit.common import compute_dtype, trim
 
 __all__ = ["BLOCK", "CHUNK_ELEMENTS", "Window", "banded_attention", "key_block_windows"]
 
@@ -176,10 +177,11 @@ def banded_attention_fwd(q: torch.Tensor, kvh: torch.Tensor, key_doc: torch.Tens
     ``q [b, Lp, H, D]`` with ``Lp`` a multiple of :data:`BLOCK`, ``doc_q [b, Lp]``; ``kvh [b,
     hkv, nkb, BLOCK, D + Dv]`` head-major key blocks, ``key_doc [b, nkb, BLOCK]``, ``key_lo
     [nkb, BLOCK]``; the window ``win_kv [b, Lp, hkv, W, D + Dv]``, ``win_mask [b, Lp, W]`` or
-    ``None``; ``chunk`` query blocks at a time."""
+    ``None``; ``chunk`` query blocks at a time (0: :func:`chunk_blocks`' default)."""
     b, lp, h, _ = q.shape
     hkv, nkb, dv = kvh.shape[1], kvh.shape[2], kvh.shape[-1] - dk
     dt = compute_dtype(q, kvh)
+    chunk = chunk or chunk_blocks(b, h, hkv, kvh.shape[-1], band, stride, lp // BLOCK)
     out = q.new_empty(b, lp, h, dv, dtype=dt)
     lse = q.new_empty(b, lp, h, dtype=dt)
     windows = key_block_windows(q_start, lp // BLOCK, nkb, band, stride)
@@ -226,6 +228,7 @@ def banded_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, kvh: torch.Ten
     b, lp, h, _ = q.shape
     hkv, nkb, e = kvh.shape[1], kvh.shape[2], kvh.shape[-1]
     dt = out.dtype
+    chunk = chunk or chunk_blocks(b, h, hkv, e, band, stride, lp // BLOCK)
     dq = q.new_empty(q.shape, dtype=dt)
     # key-block major, so that index_add_ adds whole contiguous blocks in index order
     dkv = kvh.new_zeros(nkb, b, hkv, BLOCK, e, dtype=dt)
@@ -294,14 +297,20 @@ def _backward(ctx, grad_out, grad_lse):
 banded_attention_fwd.register_autograd(_backward, setup_context=_setup)
 
 
+#: ``key_lo`` of padding keys: visible to no query. 2**62, not int64's maximum: the pad value
+#: passes through a double, which holds 2**62 exactly.
+_NEVER = 1 << 62
+
+
 def _pad(x: torch.Tensor, n: int, dim: int, value=0) -> torch.Tensor:
     """``x`` padded with ``value`` to length ``n`` along ``dim``."""
     extra = n - x.shape[dim]
-    if extra == 0:
+    if statically_known_true(extra == 0):
         return x
-    shape = list(x.shape)
-    shape[dim] = extra
-    return torch.cat([x, x.new_full(shape, value)], dim)
+    # constant_pad_nd, not a `cat`: a cat guards on the padding being empty, which would
+    # specialise a dynamic length on its remainder modulo BLOCK
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1 - dim % x.dim()) + (0, extra),
+                                   value=value)
 
 
 def chunk_blocks(batch: int, heads: int, kv_heads: int, e: int, band: int, stride: int,
@@ -333,15 +342,14 @@ def banded_attention(q: torch.Tensor, kv: torch.Tensor, dk: int, key_doc: torch.
     lp = max(1, -(-n // BLOCK)) * BLOCK
     kvh = _pad(kv, nkb * BLOCK, 1).view(b, nkb, BLOCK, hkv, e).permute(0, 3, 1, 2, 4)
     kd = _pad(key_doc, nkb * BLOCK, 1, OUTSIDE_DOC_ID).view(b, nkb, BLOCK)
-    kl = _pad(key_lo, nkb * BLOCK, 0, torch.iinfo(torch.int64).max).view(nkb, BLOCK)
+    kl = _pad(key_lo, nkb * BLOCK, 0, _NEVER).view(nkb, BLOCK)
     wkv = wm = None
     if window is not None:
         wkv, wm = _pad(window.kv, lp, 1), _pad(window.mask, lp, 1, False)
-    if chunk is None:
-        blocks = chunk_blocks(b, h, hkv, e, band, stride, lp // BLOCK)
-    else:
-        blocks = max(1, chunk // BLOCK)
+    # 0: the ops pick the default themselves, on concrete sizes (a dynamic length then does not
+    # specialise the graph on the chunking, which changes no result)
+    blocks = 0 if chunk is None else max(1, chunk // BLOCK)
     out, _ = banded_attention_fwd(_pad(q, lp, 1), kvh.contiguous(), kd, kl,
                                   _pad(doc_q, lp, 1, OUTSIDE_DOC_ID), wkv, wm, q_start, band,
                                   stride, float(scale), dk, blocks)  # fmt: skip
-    return out[:, :n].to(q.dtype)
+    return trim(out, n, q.dtype)
