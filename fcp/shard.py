@@ -31,6 +31,7 @@ Worked example (2 ranks, ``pad_multiple=1``)::
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -62,6 +63,7 @@ __all__ = [
     "global_doc_ids_from_batch",
     "normalize_batch_axis",
     "pad_sequence_dim",
+    "padded_length",
 ]
 
 IGNORE_INDEX = -100
@@ -314,6 +316,7 @@ def shard_batch(
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
     pad_multiple: int = 1,
+    pad_to: int | str | None = None,
     shard_primary: bool = True,
     extra_token_keys: tuple[str, ...] = (),
     ignore_padding: bool = True,
@@ -336,6 +339,11 @@ def shard_batch(
         padding_token_id: input id appended for CP divisibility (an int).
         pad_multiple: every rank's local length is a multiple of this (e.g. 4 for a ratio-4
             compressed attention).
+        pad_to: buckets the padded global length, so that a compiled model sees few distinct
+            lengths (see "Row lengths" below). ``None`` (default): the smallest multiple of
+            ``m = cp_size * pad_multiple``; an int ``n``: the smallest multiple of
+            ``lcm(n, m)``; ``"pow2"``: the smallest ``m * 2**j`` (a power of two when ``m``
+            is one), at most twice the row.
         shard_primary: ``False`` keeps ``input_ids`` / ``inputs_embeds`` full length (padded)
             so the model can splice features into the full sequence first and then apply the
             differentiable ``context.shard(embeds)``; every other stream is still sharded.
@@ -363,6 +371,13 @@ def shard_batch(
     Padding (by meaning): input ids ``padding_token_id``, embeddings 0, labels -100, loss mask 0,
     validity masks False, position ids 0, doc id 0.
 
+    Row lengths: a compiled model specialises on the local length the first time; the second
+    length it sees recompiles it once with a dynamic sequence dimension, and every later
+    length reuses that graph (fcp's operators do not branch on the length; tested over 4
+    lengths). Bucketing with ``pad_to`` keeps the static graphs instead: with ``pad_to=1024``
+    every row of up to 1024 tokens shares one graph, with ``"pow2"`` a row length ``n`` gets
+    one of ``log2(n)`` graphs, at the price of computing the padding (at most 2x the tokens).
+
     Example (one process; the pad tail of ``cu_seqlens`` ends in -100 labels)::
 
         >>> batch = {"input_ids": torch.arange(6)[None], "labels": torch.arange(6)[None],
@@ -374,7 +389,8 @@ def shard_batch(
         check_instance(batch, Mapping, "batch", fn="shard_batch")
         check_bool(ignore_padding, "ignore_padding", fn="shard_batch")
         work, keys, doc_ids = _validated(batch, loss_mask, padding_token_id, pad_multiple,
-                                         shard_primary, extra_token_keys, agreement.info.size)
+                                         pad_to, shard_primary, extra_token_keys,
+                                         agreement.info.size)  # fmt: skip
         seq_len = work[keys.primary].shape[1]
         agreement.check(doc_ids, seq_len)
     info = agreement.info
@@ -411,11 +427,16 @@ class _Keys(NamedTuple):
     padding_token_id: int
 
 
-def _validated(batch, loss_mask, padding_token_id, pad_multiple, shard_primary,
+def _validated(batch, loss_mask, padding_token_id, pad_multiple, pad_to, shard_primary,
                extra_token_keys, cp_size: int) -> tuple[dict[str, Any], _Keys, torch.Tensor]:
     """``(work, keys, doc_ids)``: the batch with a batch axis and ``loss_mask`` in place, its
     token streams, and the validated document map padded for ``cp_size`` ranks."""
     pad_multiple = check_int(pad_multiple, "pad_multiple", 1)
+    if pad_to is not None and not (isinstance(pad_to, str) and pad_to == "pow2"):
+        if isinstance(pad_to, str):
+            raise ValueError(f"shard_batch: pad_to={pad_to!r} is not one of None, a positive "
+                             "int or 'pow2'")
+        check_int(pad_to, "pad_to", 1, fn="shard_batch")
     padding_token_id = check_int(padding_token_id, "padding_token_id", -(2**63))
     check_bool(shard_primary, "shard_primary", fn="shard_batch")
     has_ids = batch.get("input_ids") is not None
@@ -458,10 +479,28 @@ def _validated(batch, loss_mask, padding_token_id, pad_multiple, shard_primary,
             )
 
     doc_ids = global_doc_ids_from_batch(work, seq_len)
-    multiple = cp_size * pad_multiple
-    padded_len = -(-seq_len // multiple) * multiple if seq_len else multiple
+    padded_len = padded_length(seq_len, cp_size * pad_multiple, pad_to)
     doc_ids = pad_sequence_dim(doc_ids, padded_len - seq_len, PAD_DOC_ID)
     return work, _Keys(primary_key, token_keys, padding_token_id), doc_ids
+
+
+def padded_length(seq_len: int, multiple: int, pad_to: int | str | None = None) -> int:
+    """The global length :func:`shard_batch` pads a row of ``seq_len`` tokens to, for a
+    ``multiple`` of ``cp_size * pad_multiple`` (at least one multiple, also for an empty row).
+
+    >>> [padded_length(n, 4) for n in (0, 5, 8)]
+    [4, 8, 8]
+    >>> [padded_length(n, 4, 6) for n in (5, 13)], [padded_length(n, 4, "pow2") for n in (5, 33)]
+    ([12, 24], [8, 64])
+    """
+    if pad_to == "pow2":
+        padded = multiple
+        while padded < seq_len:
+            padded *= 2
+        return padded
+    if pad_to is not None:
+        multiple = math.lcm(multiple, pad_to)
+    return max(1, -(-seq_len // multiple)) * multiple
 
 
 def gather_sequence(
