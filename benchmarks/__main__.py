@@ -103,6 +103,7 @@ def main(argv=None) -> Path:
         bench_index_attention,
         bench_isolation,
         bench_kda_scan,
+        bench_lengths,
         bench_long_context,
         bench_mamba2_cp,
         bench_scaling,
@@ -155,6 +156,9 @@ def main(argv=None) -> Path:
     glm_rows = run("GLM-5.3-Flash under CP",
                    "transformers' GLM-5.3-Flash on fcp: CP 2 vs 1 rank, bytes per DSA layer",
                    bench_glm5_cp.main, ["--lengths", *(["1024"] if q else ["1024", "4096"])])
+    len_res = run("row lengths (static vs dynamic compile of the demo's mixers)",
+                  "Row lengths that change: compile cost of the demo GLM-5.3-Flash's mixers",
+                  bench_lengths.main, ["--repeats", "2" if q else "3"])
     agree_rows = run("agreement check",
                      "shard_batch's check that the CP ranks hold the same batch (4 gloo ranks)",
                      bench_agreement.main, ["--repeats", "10" if q else "30"])
@@ -218,6 +222,11 @@ def main(argv=None) -> Path:
         else:
             head.append(f"| demo GLM-5.3-Flash {r['tokens']} tokens, CP 2 vs 1 rank: speed-up / "
                         f"saved-activation ratio | {r['speedup']:.2f}x / {r['saved_ratio']:.2f}x |")
+    lr = len_res["ratios"]
+    head.append(f"| demo GLM-5.3-Flash mixers, rows of 4 lengths: recompiles with Dynamo's "
+                f"default / static | {lr['auto_recompiles']} / {lr['static_recompiles']} |")
+    head.append(f"| demo GLM-5.3-Flash mixers: dynamic compile / static compile (target <= 2x) | "
+                f"{lr['dynamic_over_static']:.2f}x |")
     for r in agree_rows:
         if r["check_over_step"] is not None:
             head.append(f"| shard_batch's agreement check / demo fwd+bwd step ({r['world']} "
