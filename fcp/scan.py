@@ -68,8 +68,8 @@ Compilation: both scans are ``torch.library`` custom ops (``fcp::chunk_scan_fwd`
 ``opcheck``). The tree's shape is Python control flow on the chunk count; traced, it guarded on
 every level's parity, so each new row length recompiled even with a dynamic sequence dimension.
 Opaque, a graph holds one node per scan whatever the count, and a dynamic length compiles once.
-The forward hands the backward the up-sweep's levels packed into one ``[..., 2 N + 64, K, K]``
-buffer (a size a fake kernel can state; their count is ``ceil(log2 N) + 1``).
+The forward hands the backward the leaf maps and the up-sweep's upper levels packed into one
+``[..., N + 64, K, K]`` buffer (a size a fake kernel can state; there are ``ceil(log2 N)``).
 
 Exactness: documents stay bitwise separated for finite inputs, as with the loop. In a chunk whose
 last token is in a run that is not the carried one, ``dec_i = 0`` and the nonzero rows of ``kd_i``
@@ -183,37 +183,38 @@ def _rev_down(la, gl, x: torch.Tensor) -> torch.Tensor:
 # runs eagerly inside one graph node whose fake kernel gives the output shapes as expressions of
 # the chunk count, so a dynamic length compiles once.
 
-#: Extra rows of the packed tree levels: ``sum_l ceil(N / 2^l) < 2 N + levels`` and there are
-#: at most 62 levels (N < 2**62).
+#: Extra rows of the packed upper tree levels: ``sum_{l >= 1} ceil(N / 2^l) < N + levels`` and
+#: there are at most 62 levels (N < 2**62).
 _TREE_SLACK = 64
 
 
-def _pack_levels(levels: list[torch.Tensor]) -> torch.Tensor:
-    """The up-sweep's levels ``[..., n_l, K, K]`` in one ``[..., 2 N + 64, K, K]`` buffer (a
-    size the fake kernel can state; the tail is zero)."""
-    n = levels[0].shape[-3]
+def _pack_upper(levels: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The up-sweep's levels above the leaves, ``[..., n_l, K, K]`` for ``l >= 1``, in one
+    ``[..., N + 64, K, K]`` buffer (a size a fake kernel can state; the tail is zero). The leaves
+    ``like [..., N, K, K]`` stay a tensor of their own (no copy of the largest level)."""
+    n = like.shape[-3]
     used = sum(t.shape[-3] for t in levels)
-    tail = levels[0].new_zeros(*levels[0].shape[:-3], 2 * n + _TREE_SLACK - used,
-                               *levels[0].shape[-2:])  # fmt: skip
+    tail = like.new_zeros(*like.shape[:-3], n + _TREE_SLACK - used, *like.shape[-2:])
     return torch.cat([*levels, tail], -3)
 
 
-def _unpack_levels(packed: torch.Tensor, n: int) -> list[torch.Tensor]:
-    levels, at = [], 0
-    while True:
-        levels.append(packed[..., at : at + n, :, :])
-        at += n
-        if n <= 1:
-            return levels
+def _unpack_levels(a: torch.Tensor, upper: torch.Tensor) -> list[torch.Tensor]:
+    levels, at, n = [a], 0, a.shape[-3]
+    while n > 1:
         n = -(-n // 2)
+        levels.append(upper[..., at : at + n, :, :])
+        at += n
+    return levels
 
 
 @torch.library.custom_op("fcp::chunk_scan_fwd", mutates_args=())
 def chunk_scan_fwd(w: torch.Tensor, u0: torch.Tensor, kd: torch.Tensor, dec: torch.Tensor,
                    s0: Optional[torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(states, pseudo, final, levels)``: :func:`chunk_scan`'s results and the up-sweep's
-    levels of ``A`` packed for the backward (``[..., 2 N + 64, K, K]``)."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor]:  # fmt: skip
+    """``(states, pseudo, final, a, upper)``: :func:`chunk_scan`'s results and, for the
+    backward, the leaf maps ``a [..., N, K, K]`` and the up-sweep's upper levels packed into
+    ``[..., N + 64, K, K]``."""
     kd_t = _t(kd)
     a = (kd_t @ w).neg_()  # A_i = diag(dec_i) - kd_i^T w_i
     a.diagonal(dim1=-2, dim2=-1).add_(dec)
@@ -223,14 +224,14 @@ def chunk_scan_fwd(w: torch.Tensor, u0: torch.Tensor, kd: torch.Tensor, dec: tor
     else:
         x0 = s0[..., None, :, :].to(b.dtype)
     if a.shape[-3] == 0:  # no chunks: nothing happens to the state
-        return b.clone(), u0.clone(), x0[..., 0, :, :].clone(), _pack_levels([a])
+        return b.clone(), u0.clone(), x0[..., 0, :, :].clone(), a, _pack_upper([], a)
     la, lb = _up(a, b)
     states = _down(la, lb, x0)
     if states is x0:  # one chunk: the state entering it is s0 (outputs never alias inputs)
         states = x0.clone()
     final = (la[-1] @ x0).add_(lb[-1])[..., 0, :, :]
     pseudo = (w @ states).neg_().add_(u0)
-    return states, pseudo, final, _pack_levels(la)
+    return states, pseudo, final, a, _pack_upper(la[1:], a)
 
 
 @chunk_scan_fwd.register_fake
@@ -238,19 +239,20 @@ def _(w, u0, kd, dec, s0):
     n, k, v = w.shape[-3], w.shape[-1], u0.shape[-1]
     lead = u0.shape[:-3]
     return (u0.new_empty(*lead, n, k, v), u0.new_empty(u0.shape), u0.new_empty(*lead, k, v),
-            u0.new_empty(*lead, 2 * n + _TREE_SLACK, k, k))  # fmt: skip
+            u0.new_empty(*lead, n, k, k), u0.new_empty(*lead, n + _TREE_SLACK, k, k))  # fmt: skip
 
 
 @torch.library.custom_op("fcp::chunk_scan_bwd", mutates_args=())
 def chunk_scan_bwd(w: torch.Tensor, kd: torch.Tensor, states: torch.Tensor,
-                   pseudo: torch.Tensor, levels: torch.Tensor, g_states: Optional[torch.Tensor],
+                   pseudo: torch.Tensor, a: torch.Tensor, upper: torch.Tensor,
+                   g_states: Optional[torch.Tensor],
                    g_pseudo: Optional[torch.Tensor], g_final: Optional[torch.Tensor],
                    want_ds0: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor]:  # fmt: skip
     """``(dw, du0, dkd, ddec, ds0)`` (``ds0`` empty unless ``want_ds0``); see the module
     docstring's backward."""
-    la = _unpack_levels(levels, w.shape[-3])
+    la = _unpack_levels(a, upper)
     if g_pseudo is None:
         g_pseudo = torch.zeros_like(pseudo)
     g = (_t(w) @ g_pseudo).neg_()  # dLoss/dS_i through u_i, plus the direct state gradient
@@ -278,7 +280,7 @@ def chunk_scan_bwd(w: torch.Tensor, kd: torch.Tensor, states: torch.Tensor,
 
 
 @chunk_scan_bwd.register_fake
-def _(w, kd, states, pseudo, levels, g_states, g_pseudo, g_final, want_ds0):
+def _(w, kd, states, pseudo, a, upper, g_states, g_pseudo, g_final, want_ds0):
     ds0 = states.new_empty(*states.shape[:-3], *states.shape[-2:]) if want_ds0 else (
         states.new_empty(0))
     return (w.new_empty(w.shape), pseudo.new_empty(pseudo.shape), kd.new_empty(kd.shape),
@@ -287,15 +289,18 @@ def _(w, kd, states, pseudo, levels, g_states, g_pseudo, g_final, want_ds0):
 
 def _chunk_scan_setup(ctx, inputs, output):
     w, _, kd, _, s0 = inputs
-    states, pseudo, _, levels = output
+    states, pseudo, _, a, upper = output
     ctx.has_s0 = s0 is not None
-    ctx.save_for_backward(w, kd, states, pseudo, levels)
+    # the levels only feed the backward; unused outputs' gradients stay None (no zeros made)
+    ctx.mark_non_differentiable(a, upper)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(w, kd, states, pseudo, a, upper)
 
 
-def _chunk_scan_backward(ctx, g_states, g_pseudo, g_final, _g_levels):
-    w, kd, states, pseudo, levels = ctx.saved_tensors
+def _chunk_scan_backward(ctx, g_states, g_pseudo, g_final, _g_a, _g_upper):
+    w, kd, states, pseudo, a, upper = ctx.saved_tensors
     want_ds0 = ctx.has_s0 and ctx.needs_input_grad[4]
-    dw, du0, dkd, ddec, ds0 = chunk_scan_bwd(w, kd, states, pseudo, levels, g_states,
+    dw, du0, dkd, ddec, ds0 = chunk_scan_bwd(w, kd, states, pseudo, a, upper, g_states,
                                              g_pseudo, g_final, want_ds0)  # fmt: skip
     return dw, du0, dkd, ddec, (ds0 if want_ds0 else None)
 
@@ -324,7 +329,7 @@ def chunk_scan(
         loop above stacks and ends with). Differentiable in all inputs (hand-written backward:
         no double backward, forward-mode AD or vmap).
     """
-    states, pseudo, final, _ = chunk_scan_fwd(w, u0, kd, dec, s0)
+    states, pseudo, final, _, _ = chunk_scan_fwd(w, u0, kd, dec, s0)
     return states, pseudo, final
 
 
@@ -449,6 +454,7 @@ def _(states, dec, b_like, s0_like, g_states, g_final):
 def _decay_scan_setup(ctx, inputs, output):
     dec, b, s0 = inputs
     ctx.has_s0 = s0 is not None
+    ctx.set_materialize_grads(False)
     # shapes only (empty expands): the backward needs no copy of b or s0
     b_like = b.new_empty(()).expand(b.shape)
     s0_like = None if s0 is None else s0.new_empty(()).expand(s0.shape)

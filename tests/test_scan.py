@@ -121,8 +121,8 @@ def test_chunk_scan_equals_the_loop_forward_and_backward(n, with_s0):
 def test_scan_ops_pass_opcheck(with_s0):
     xs = chunk_inputs(5, with_s0, seed=3)
     torch.library.opcheck(scan.chunk_scan_fwd, xs)
-    states, pseudo, final, levels = scan.chunk_scan_fwd(*xs)
-    torch.library.opcheck(scan.chunk_scan_bwd, (xs[0], xs[2], states, pseudo, levels,
+    states, pseudo, final, a, upper = scan.chunk_scan_fwd(*xs)
+    torch.library.opcheck(scan.chunk_scan_bwd, (xs[0], xs[2], states, pseudo, a, upper,
                                                 torch.randn_like(states), None,
                                                 torch.randn_like(final), with_s0))  # fmt: skip
     dec, b, s0 = inputs(5, (4, 1), with_s0, seed=4)
