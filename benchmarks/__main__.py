@@ -227,6 +227,8 @@ def main(argv=None) -> Path:
                 f"default / static | {lr['auto_recompiles']} / {lr['static_recompiles']} |")
     head.append(f"| demo GLM-5.3-Flash mixers: dynamic compile / static compile (target <= 2x) | "
                 f"{lr['dynamic_over_static']:.2f}x |")
+    head.append(f"| the same with Dynamo's fake-tensor cache off (a user setting) | "
+                f"{lr['dynamic_nocache_over_static']:.2f}x |")
     for r in agree_rows:
         if r["check_over_step"] is not None:
             head.append(f"| shard_batch's agreement check / demo fwd+bwd step ({r['world']} "

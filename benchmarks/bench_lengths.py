@@ -11,7 +11,11 @@ for dynamic lengths):
 * ``static`` (``dynamic=False``): every new length compiles new graphs;
 * ``auto`` (Dynamo's default): the first length compiles static graphs, the second recompiles
   them once with a dynamic sequence dimension, later lengths reuse it;
-* ``dynamic`` (``dynamic=True``): one dynamic compile at the first length.
+* ``dynamic`` (``dynamic=True``): one dynamic compile at the first length;
+* ``static*`` and ``dynamic*``: the same with Dynamo's fake-tensor cache off
+  (``torch._dynamo.config.fake_tensor_cache_enabled = False``, scoped to the run): with a
+  symbolic length, rebuilding each cached op's output from its cache entry re-derives its
+  symbolic sizes and strides, and costs more than running the meta kernel again.
 
 Reported per variant and length: the step's wall time minus the same step's steady-state time
 (the compile cost it paid), and the compiled frames so far. Target: the dynamic compile at most
@@ -33,18 +37,26 @@ from examples.data import PackedDocuments
 from examples.glm5_hf import Glm5NextLM
 from tests.support.rank_pool import RankPool
 
-VARIANTS = {"static": False, "auto": None, "dynamic": True}
+#: name -> (``dynamic=``, fake-tensor cache on)
+VARIANTS = {"static": (False, True), "auto": (None, True), "dynamic": (True, True),
+            "static*": (False, False), "dynamic*": (True, False)}
 
 
 def job(env, lengths: list[int], variant: str, repeats: int) -> dict:
+    torch.set_num_threads(1)
+    dynamic, cache = VARIANTS[variant]
+    with torch._dynamo.config.patch(fake_tensor_cache_enabled=cache):
+        return _run(env, lengths, dynamic, repeats)
+
+
+def _run(env, lengths: list[int], dynamic: bool | None, repeats: int) -> dict:
     import torch._dynamo.testing
 
-    torch.set_num_threads(1)
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     model = Glm5NextLM.from_config()
     for mixer in model.mixers():
-        mixer.compile(fullgraph=True, backend=counter, dynamic=VARIANTS[variant])
+        mixer.compile(fullgraph=True, backend=counter, dynamic=dynamic)
     group = env.group if env.world_size > 1 else None
     first, steady, frames = [], [], []
     for seq in lengths:
@@ -87,6 +99,9 @@ def main(argv=None) -> dict:
     res["ratios"] = {
         # the first dynamic compile against the first static one
         "dynamic_over_static": dyn["compile"][0] / static["compile"][0],
+        "dynamic_nocache_over_static": res["dynamic*"]["compile"][0] / static["compile"][0],
+        "dynamic_nocache_over_static_nocache": (res["dynamic*"]["compile"][0]
+                                                / res["static*"]["compile"][0]),
         # auto's one recompile (dynamic) against a static recompile at the same length
         "auto_recompile_over_static": auto["compile"][1] / static["compile"][1],
         "auto_recompiles": auto["frames"][-1] // auto["frames"][0] - 1,
@@ -94,7 +109,9 @@ def main(argv=None) -> dict:
     }
     q = res["ratios"]
     print(f"\ndynamic=True compile / static compile: {q['dynamic_over_static']:.2f}x (target "
-          f"<= 2x); auto's recompile / a static recompile: {q['auto_recompile_over_static']:.2f}x"
+          f"<= 2x); with the fake-tensor cache off: {q['dynamic_nocache_over_static']:.2f}x "
+          f"(against a static compile with it off: "
+          f"{q['dynamic_nocache_over_static_nocache']:.2f}x); auto's recompile / a static recompile: {q['auto_recompile_over_static']:.2f}x"
           f"; recompiles over {len(args.lengths)} lengths: auto {q['auto_recompiles']}, static "
           f"{q['static_recompiles']}")
     return res
