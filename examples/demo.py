@@ -93,6 +93,9 @@ class DemoOptions:
     optimizer: str = "adamw"  # or "sgd" (momentum 0.9): updates linear in the gradients
     count_bytes: bool = True  # one eager probe step counting the operators' collectives
     device: str = "cpu"  # "cuda": this rank's current CUDA device (NCCL groups)
+    # the parameters' dtype; "float64" measures what float32 rounding alone does to a run (the
+    # tests' noise floor)
+    dtype: str = "float32"
     progress: bool = True
     log_every: int = 10
     model_overrides: dict = dataclasses.field(default_factory=dict)
@@ -220,7 +223,9 @@ def train(group, opts: DemoOptions, *, on_step=None) -> dict:
     layout = make_layout(group, opts)
     rank, world = layout.rank, layout.world
     device = torch.device(opts.device)
-    model = build(opts).to(device)
+    model = build(opts).to(device, getattr(torch, opts.dtype))
+    if opts.dtype == "float64" and hasattr(model, "config"):
+        model.config._experts_implementation = "eager"  # transformers' grouped_mm: no float64
     n_params = sum(p.numel() for p in model.parameters())
     ref = copy.deepcopy(model) if (opts.reference and rank == 0) else None
     twin = copy.deepcopy(model) if (opts.twin and rank == 0) else None

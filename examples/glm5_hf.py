@@ -76,4 +76,5 @@ class Glm5NextLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         out = self.backbone(input_ids=input_ids, cp_context=ctx, use_cache=False)
-        return self.head(out.last_hidden_state).float()
+        logits = self.head(out.last_hidden_state)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -312,7 +312,8 @@ class HybridLM(nn.Module):
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x, ctx)
-        return self.head(self.norm(x)).float()
+        logits = self.head(self.norm(x))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 class Glm5FlashLike(HybridLM):

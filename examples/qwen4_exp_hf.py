@@ -57,4 +57,5 @@ class Qwen4ExpLM(Glm5NextLM):
                                                 or layer.self_attn) if m is not None]  # fmt: skip
 
     def forward(self, input_ids: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, cp_context=ctx, use_cache=False).logits.float()
+        logits = self.lm(input_ids=input_ids, cp_context=ctx, use_cache=False).logits
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))

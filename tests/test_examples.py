@@ -105,13 +105,25 @@ def test_packed_documents_are_valid_real_text():
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def no_cp_runs():
-    return {name: train(None, DemoOptions(**_eager_opts(name))) for name in ALL_MODELS}
+    """Per model: the no-CP run, and each parameter's tolerance: 1e-5, or twice what float32
+    rounding alone does to that parameter in the same no-CP run (measured against float64)
+    where that is more. Qwen4-Exp's PLE gate takes a signed square root, whose gradient
+    magnifies rounding: its PLE norm weights move by 6.7e-5 between float32 and float64."""
+    runs = {}
+    for name in ALL_MODELS:
+        ref = train(None, DemoOptions(**_eager_opts(name)))
+        exact = dict(train(None, DemoOptions(**_eager_opts(name, dtype="float64")))["model"]
+                     .named_parameters())  # fmt: skip
+        tol = {k: max(1e-5, 2 * _rel_diff(p.detach().double(), exact[k].detach()))
+               for k, p in ref["model"].named_parameters()}  # fmt: skip
+        runs[name] = ref, tol
+    return runs
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("name", ALL_MODELS)
 def test_model_cp_matches_no_cp_after_3_steps(rank_pool, no_cp_runs, name, cp):
-    ref = no_cp_runs[name]
+    ref, tol = no_cp_runs[name]
     outs = rank_pool.run(fns.train_on_ranks, cp, _eager_opts(name, cp), timeout=POOL_TIMEOUT_S)
     ref_params = dict(ref["model"].named_parameters())
     for rank, out in enumerate(outs):
@@ -120,7 +132,7 @@ def test_model_cp_matches_no_cp_after_3_steps(rank_pool, no_cp_runs, name, cp):
         assert out["params"].keys() == ref_params.keys()
         for pname, p in out["params"].items():
             err = _rel_diff(p, ref_params[pname].detach())
-            assert err < 1e-5, f"rank {rank}: {pname} differs from no-CP by {err:.2e}"
+            assert err < tol[pname], f"rank {rank}: {pname} differs from no-CP by {err:.2e}"
     # every rank takes the same optimizer step
     for out in outs[1:]:
         for pname, p in out["params"].items():
