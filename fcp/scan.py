@@ -58,10 +58,11 @@ chain could run between the sweeps without the augmented columns; but the gradie
 ``M_r`` needs the prefix products and a ``[K, K]`` adjoint per chunk anyway, so a hand-written
 backward for it costs what the augmented one does: only the forward would shrink.)
 
-Measured (``benchmarks/bench_kda.py``; 4 heads, K = V = 64, fp32, 1 thread): eager fwd+bwd at 4k
-tokens within a few percent of the loop; inductor compile of fwd+bwd at 16k tokens 1.17x the
-time at 1k (the loop: linear in the chunks); once compiled, ~15% slower than the compiled loop
-at 4k (6 instead of 2 ``K^3`` units of work per chunk forward: ``C = K`` leaves no low rank).
+Measured (``benchmarks/bench_kda_scan.py``; 4 heads, K = V = 64, fp32, 1 thread): eager fwd+bwd
+of ``kda`` at 4k tokens within 3% of the same operator with the loop (1.004-1.029 over runs);
+an inductor cold compile of fwd+bwd at 16k tokens takes 0.99x the time at 1k (the loop's grows
+linearly with the chunks). The scan does 6 instead of 2 ``K^3`` units of work per chunk forward
+(``C = K`` leaves no low rank): in the whole operator's time, that is within the 3% above.
 
 Compilation: both scans are ``torch.library`` custom ops (``fcp::chunk_scan_fwd`` /
 ``_bwd``, ``fcp::decay_scan_fwd`` / ``_bwd``, fake kernels and autograd registered, checked by

@@ -89,10 +89,10 @@ _MASK_KEYS = ("attention_mask", "padding_mask")
 INTEGER_STREAMS = ("input_ids", "labels", "position_ids", "token_type_ids")
 
 
-def check_stream(key: str, t: Any) -> torch.Tensor:
+def check_stream(key: str, t: Any, *, fn: str = "") -> torch.Tensor:
     """A token stream or packing tensor: a real (not meta) tensor of its kind (host-side)."""
     kind = "int" if key in INTEGER_STREAMS else "float" if key == "inputs_embeds" else None
-    return check_tensor(t, key, kind=kind, values=True)
+    return check_tensor(t, key, kind=kind, values=True, fn=fn)
 
 
 def pad_sequence_dim(tensor: torch.Tensor, pad_len: int, value: float | int | bool, dim: int = 1):
@@ -431,28 +431,28 @@ def _validated(batch, loss_mask, padding_token_id, pad_multiple, pad_to, shard_p
                extra_token_keys, cp_size: int) -> tuple[dict[str, Any], _Keys, torch.Tensor]:
     """``(work, keys, doc_ids)``: the batch with a batch axis and ``loss_mask`` in place, its
     token streams, and the validated document map padded for ``cp_size`` ranks."""
-    pad_multiple = check_int(pad_multiple, "pad_multiple", 1)
+    pad_multiple = check_int(pad_multiple, "pad_multiple", 1, fn="shard_batch")
     if pad_to is not None and not (isinstance(pad_to, str) and pad_to == "pow2"):
         if isinstance(pad_to, str):
             raise ValueError(f"shard_batch: pad_to={pad_to!r} is not one of None, a positive "
                              "int or 'pow2'")
         check_int(pad_to, "pad_to", 1, fn="shard_batch")
-    padding_token_id = check_int(padding_token_id, "padding_token_id", -(2**63))
+    padding_token_id = check_int(padding_token_id, "padding_token_id", -(2**63), fn="shard_batch")
     check_bool(shard_primary, "shard_primary", fn="shard_batch")
     has_ids = batch.get("input_ids") is not None
     has_embeds = batch.get("inputs_embeds") is not None
     if has_ids == has_embeds:
         raise ValueError(
-            "batch must contain exactly one of input_ids / inputs_embeds, got "
+            "shard_batch: batch must contain exactly one of input_ids / inputs_embeds, got "
             + ("both" if has_ids else "neither")
         )
     token_keys = dict(TOKEN_KEYS)
     token_keys.update({k: 0 for k in extra_token_keys})
     if loss_mask is not None:
-        check_stream("loss_mask", loss_mask)
+        check_stream("loss_mask", loss_mask, fn="shard_batch")
     for key in token_keys:
         if batch.get(key) is not None:
-            check_stream(key, batch[key])
+            check_stream(key, batch[key], fn="shard_batch")
     work = normalize_batch_axis(batch)
     if loss_mask is not None:
         work["loss_mask"] = loss_mask.unsqueeze(0) if loss_mask.dim() == 1 else loss_mask
