@@ -14,7 +14,13 @@ computes every packed document exactly as transformers computes that document al
 one, no padding), and under CP each rank returns its contiguous shard of that. Without
 ``cp_context`` the replaced mixers run the original transformers code. With one, nothing runs
 the non-CP path silently: a mixer reached without the context (a decoder layer that dropped it)
-raises, and so does a KV cache (``use_cache=True``, ``cache`` / ``past_key_values``).
+raises, and so does a KV cache (``use_cache=True``, ``cache`` / ``past_key_values``). Nor does a
+token mixer fcp does not replace (a foreign attention such as a ``Qwen3Attention`` put into a
+Qwen3.5, an ``nn.Conv1d`` or ``nn.GRU`` over the sequence; the rule: :mod:`.coverage`):
+:func:`enable_packed_cp` refuses a model holding one, naming each, and with
+``allow_unreplaced=True`` enables it but makes each such module raise when called under a
+context. :func:`packed_mixers` lists what was replaced (also logged at INFO, logger ``"fcp"``),
+:func:`unreplaced_mixers` what the rule flags.
 
 Supported mixers (:data:`SUPPORTED`; the adapters in :mod:`.models`, the kinds in
 :mod:`.mixers`), and what each exchanges under CP (every KDA / Gated DeltaNet layer: a
@@ -69,9 +75,14 @@ fcp's operators.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+
 from torch import nn
 
-from fcp.integrations.hf.core import ContextScope, FcpMixer, replace
+from fcp.integrations.hf.causal_lm import CausalLMLoss
+from fcp.integrations.hf.core import ContextScope, FcpMixer, UnreplacedGuard, fcp_class, replace
+from fcp.integrations.hf.coverage import unreplaced
 from fcp.integrations.hf.mixers import GatedDeltaNetMixer, GatedShortConvMixer, GqaMixer
 from fcp.integrations.hf.mixers import IndexedMlaMixer, KdaMixer, MlaMixer, PleMixer, QsaGqaMixer
 from fcp.integrations.hf.mixers import SsdMixer
@@ -90,15 +101,20 @@ __all__ = [
     "SsdMixer",
     "PleMixer",
     "QsaGqaMixer",
+    "UnreplacedGuard",
     "enable_packed_cp",
+    "packed_mixers",
+    "unreplaced_mixers",
 ]
+
+_log = logging.getLogger("fcp")
 
 #: transformers class name -> the fcp mixer (a kind or a model's adapter) that replaces it
 #: (:mod:`.models`; Qwen4-Exp's own module, :mod:`.qwen4_exp`, builds on its Qwen3-Next rows).
 SUPPORTED = {**ADAPTERS, **QWEN4_EXP_ADAPTERS}
 
 
-def enable_packed_cp(model: nn.Module) -> nn.Module:
+def enable_packed_cp(model: nn.Module, *, allow_unreplaced: bool = False) -> nn.Module:
     """Replace ``model``'s supported token mixers (:data:`SUPPORTED`) in place; return ``model``.
 
     ``model`` is a transformers model or any module containing one (e.g. a
@@ -108,27 +124,111 @@ def enable_packed_cp(model: nn.Module) -> nn.Module:
     same objects (their class is swapped), so parameters, buffers, their names, optimizers built
     before the call and checkpoints stay valid. Registers the context guard
     (:class:`~fcp.integrations.hf.core.ContextScope`) on ``model`` and on every
-    ``PreTrainedModel`` inside it that holds replaced mixers. Idempotent. Raises ``ValueError``
-    if ``model`` has no supported mixer, and ``NotImplementedError`` for a supported mixer whose
-    configuration fcp cannot compute (e.g. a conv activation other than SiLU, a
-    sequence-dependent rope type).
+    ``PreTrainedModel`` inside it that holds replaced mixers, and logs what it replaced (INFO,
+    logger ``"fcp"``; :func:`packed_mixers` lists it). Idempotent.
+
+    Raises ``ValueError`` if ``model`` has no supported mixer, ``NotImplementedError`` for a
+    supported mixer whose configuration fcp cannot compute (e.g. a conv activation other than
+    SiLU, a sequence-dependent rope type), and ``ValueError`` naming every module that mixes
+    tokens along the sequence and is not replaced (:func:`unreplaced_mixers`; the rule:
+    :mod:`.coverage`), which under a ``cp_context`` would silently run non-CP code on the packed,
+    sharded batch. Each raises before any change to ``model``.
+
+    ``allow_unreplaced=True`` enables such a model anyway, for unreplaced mixers that never run
+    under a ``cp_context`` (or a module the rule flags wrongly, run without one): each gets an
+    :class:`~fcp.integrations.hf.core.UnreplacedGuard` and raises a ``ValueError`` naming it when
+    called inside a forward given a ``cp_context``; without one it runs as it is. A module allowed
+    so stays allowed in later calls.
     """
     targets = [(m, SUPPORTED[type(m).__name__]) for m in model.modules()
                if type(m).__name__ in SUPPORTED and not isinstance(m, FcpMixer)]  # fmt: skip
     for module, adapter in targets:  # every check before any change
         adapter.fcp_check(module)
-    for module, adapter in targets:
-        replace(module, adapter)
-    mixers = [(name, m) for name, m in model.named_modules() if isinstance(m, FcpMixer)]
-    if not mixers:
+    pending = {id(m) for m, _ in targets}
+
+    def is_fcp(m: nn.Module) -> bool:
+        return isinstance(m, FcpMixer) or id(m) in pending
+
+    if not any(is_fcp(m) for m in model.modules()):
         raise ValueError(f"enable_packed_cp: {type(model).__name__} has no supported token mixer "
                          f"(supported: {sorted(SUPPORTED)})")  # fmt: skip
-    ContextScope.register(model, mixers)
+    left = unreplaced(model, is_fcp)
+    refused = {name: m for name, m in left.items()
+               if not allow_unreplaced and UnreplacedGuard.of(m) is None}  # fmt: skip
+    if refused:
+        raise ValueError(_refusal(model, refused))
+    for module, adapter in targets:
+        replace(module, adapter)
+    guards = {id(m): UnreplacedGuard.attach(m) for m in left.values()}
+    _register_scopes(model, guards)
+    CausalLMLoss.register(model)  # labels under a context: right or refused (.causal_lm)
+    _log_summary(model, left)
+    return model
+
+
+def packed_mixers(model: nn.Module) -> dict[str, str]:
+    """``{qualified name: fcp class name}`` of ``model``'s fcp mixers (the kind or the model's
+    adapter each runs on, e.g. ``"layers.1.self_attn": "Qwen3NextAttentionAdapter"``), in module
+    order; empty before :func:`enable_packed_cp`."""
+    return {name: fcp_class(m).__name__ for name, m in model.named_modules()
+            if isinstance(m, FcpMixer)}  # fmt: skip
+
+
+def unreplaced_mixers(model: nn.Module) -> dict[str, str]:
+    """``{qualified name: class name}`` of ``model``'s modules that mix tokens along the sequence
+    and are neither fcp mixers nor supported by fcp (:mod:`.coverage`'s rule), in module order:
+    what :func:`enable_packed_cp` refuses (or, with ``allow_unreplaced=True``, guards)."""
+    found = unreplaced(model, lambda m: isinstance(m, FcpMixer) or type(m).__name__ in SUPPORTED)
+    return {name: type(m).__name__ for name, m in found.items()}
+
+
+def _refusal(model: nn.Module, refused: dict[str, nn.Module]) -> str:
+    listed = "; ".join(f"{name or '<the model itself>'} ({type(m).__name__})"
+                       for name, m in refused.items())  # fmt: skip
+    return (f"enable_packed_cp: {type(model).__name__} has {len(refused)} token mixer(s) that fcp "
+            f"does not replace: {listed}. Under a cp_context each would run its non-CP code on the "
+            "packed, sharded batch (mixing documents, blind to the other ranks' tokens) without "
+            "an error. Replace them with supported mixers, or, if they do not run under a "
+            "cp_context, pass enable_packed_cp(model, allow_unreplaced=True): each then raises a "
+            "ValueError when called inside a forward given a cp_context. The model is unchanged.")
+
+
+def _register_scopes(model: nn.Module, guards: dict[int, UnreplacedGuard]) -> None:
+    """A scope on ``model`` and on every ``PreTrainedModel`` inside it holding fcp mixers (a
+    wrapper that drops the context leaves the inner model's mark set by the outer one)."""
     from transformers import PreTrainedModel  # not a dependency of fcp: imported when needed
 
     for owner in model.modules():
-        if owner is not model and isinstance(owner, PreTrainedModel):
-            inner = [(n, m) for n, m in owner.named_modules() if isinstance(m, FcpMixer)]
-            if inner:
-                ContextScope.register(owner, inner)
-    return model
+        if owner is not model and not isinstance(owner, PreTrainedModel):
+            continue
+        named = list(owner.named_modules())
+        mixers = [(n, m) for n, m in named if isinstance(m, FcpMixer)]
+        if mixers:
+            owned = [(n, guards[id(m)]) for n, m in named if id(m) in guards]
+            ContextScope.register(owner, mixers, owned)
+
+
+def _log_summary(model: nn.Module, left: dict[str, nn.Module]) -> None:
+    counts = Counter((type(m).__bases__[1].__name__, fcp_class(m).__name__)
+                     for m in model.modules() if isinstance(m, FcpMixer))  # fmt: skip
+    replaced = ", ".join(f"{n} {hf} -> {fcp}" for (hf, fcp), n in counts.items())
+    _log.info("enable_packed_cp(%s): %d modules on fcp: %s", type(model).__name__,
+              sum(counts.values()), replaced)  # fmt: skip
+    if left:
+        _log.warning("enable_packed_cp(%s): %d token mixer(s) left unreplaced "
+                     "(allow_unreplaced=True), raising under a cp_context: %s",
+                     type(model).__name__, len(left),
+                     "; ".join(f"{n} ({type(m).__name__})" for n, m in left.items()))  # fmt: skip
+
+
+def __getattr__(name: str):
+    # the trainers import transformers' Trainer (and TRL): only when asked for
+    if name == "PackedCPTrainer":
+        from fcp.integrations.hf.trainer import PackedCPTrainer
+
+        return PackedCPTrainer
+    if name == "PackedCPSFTTrainer":
+        from fcp.integrations.hf.sft import PackedCPSFTTrainer  # needs TRL
+
+        return PackedCPSFTTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

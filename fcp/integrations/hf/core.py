@@ -32,6 +32,13 @@ becomes ``False``). It also rejects image and video inputs (``pixel_values``, ``
 the vision encoder on them, scatter its embeddings into the text and give those tokens 3-D mRoPE
 positions, none of which fcp shards yet; text-only calls of such a wrapper run on fcp.
 
+**Unreplaced mixers** (:class:`UnreplacedGuard`). A module that mixes tokens and is not an fcp
+mixer (:mod:`.coverage` finds them) would run its non-CP code on the packed, sharded batch;
+``enable_packed_cp`` refuses such a model unless ``allow_unreplaced=True``, and then gives each
+one a forward pre-hook that the same scopes mark: called while a forward given a ``cp_context``
+runs, the module raises a ``ValueError`` naming itself. The mark lives in the hook; the module's
+class and attributes are untouched.
+
 The check runs in :meth:`FcpMixer.__call__`, outside a mixer compiled with
 ``mixer.compile(...)`` (which compiles ``_call_impl``), and reads the mark only when no context
 was given: a compiled mixer never guards on it and does not recompile when it changes.
@@ -46,7 +53,8 @@ from torch import nn
 
 from fcp.context import PackedContext, check_context
 
-__all__ = ["MULTIMODAL_INPUTS", "ContextScope", "FcpMixer", "NoMasks", "packed_class", "replace"]
+__all__ = ["MULTIMODAL_INPUTS", "ContextScope", "FcpMixer", "NoMasks", "UnreplacedGuard",
+           "fcp_class", "packed_class", "replace"]
 
 #: A model forward's image / video arguments, refused with a ``cp_context``: under CP a vision
 #: tower would see every rank's image while the rank holds a shard of its placeholder tokens, and
@@ -125,6 +133,11 @@ def packed_class(adapter: type[FcpMixer], hf_class: type[nn.Module]) -> type[nn.
     return type(name, (adapter, hf_class), {"__doc__": doc, "__module__": adapter.__module__})
 
 
+def fcp_class(mixer: FcpMixer) -> type[FcpMixer]:
+    """The fcp class (a mixer kind or a model's adapter) that ``mixer`` runs on."""
+    return type(mixer).__bases__[0]
+
+
 def _new_packed(adapter: type[FcpMixer], hf_class: type[nn.Module]) -> nn.Module:
     cls = packed_class(adapter, hf_class)
     return cls.__new__(cls)
@@ -165,10 +178,52 @@ def replace(module: nn.Module, adapter: type[FcpMixer]) -> None:
     module.fcp_expected_by = ()
 
 
+class UnreplacedGuard:
+    """The forward pre-hook of a token mixer that fcp does not replace, left in a model by
+    ``enable_packed_cp(model, allow_unreplaced=True)`` (:mod:`.coverage` finds them): while a
+    forward given a ``cp_context`` runs, the model's :class:`ContextScope` holds the module's
+    qualified name in :attr:`expected_by`, and calling the module then raises a ``ValueError``
+    naming it. Outside such forwards the module runs as it is.
+
+    The mark lives in the hook object, not on the transformers module; one guard per module
+    (:meth:`attach` is idempotent).
+    """
+
+    def __init__(self):
+        #: as :attr:`FcpMixer.fcp_expected_by`: one name per enclosing forward given a context
+        self.expected_by: tuple[str, ...] = ()
+
+    @staticmethod
+    def of(module: nn.Module) -> UnreplacedGuard | None:
+        """``module``'s guard, if it has one."""
+        hooks = module._forward_pre_hooks.values()
+        return next((h for h in hooks if isinstance(h, UnreplacedGuard)), None)
+
+    @staticmethod
+    def attach(module: nn.Module) -> UnreplacedGuard:
+        """``module``'s guard, registered first if it has none."""
+        guard = UnreplacedGuard.of(module)
+        if guard is None:
+            guard = UnreplacedGuard()
+            module.register_forward_pre_hook(guard)
+        return guard
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if self.expected_by:
+            name = self.expected_by[0] or type(module).__name__
+            raise ValueError(
+                f"{name} ({type(module).__name__}) mixes tokens along the sequence and is not an "
+                "fcp mixer (enable_packed_cp(..., allow_unreplaced=True) left it as it is): "
+                "called inside a forward given a `cp_context`, it would run its non-CP code on "
+                "the packed, sharded batch, across documents and blind to the other ranks' tokens"
+            )
+
+
 class ContextScope:
     """The guard of one model: its forward pre-hook :meth:`enter` and always-called forward hook
-    :meth:`exit` mark ``mixers`` (``(qualified name, mixer)`` pairs) as expecting a context while
-    a forward given a ``cp_context`` runs (see the module doc).
+    :meth:`exit` mark ``mixers`` (``(qualified name, mixer)`` pairs) as expecting a context, and
+    ``guards`` (``(qualified name, UnreplacedGuard)`` pairs, the token mixers left unreplaced) as
+    refusing to run, while a forward given a ``cp_context`` runs (see the module doc).
 
     ``default_no_cache``: the model's ``forward`` takes ``use_cache``, which then defaults to
     ``False`` under a context (transformers' ``config.use_cache`` would build a cache).
@@ -177,22 +232,27 @@ class ContextScope:
     """
 
     def __init__(self, mixers: list[tuple[str, FcpMixer]], default_no_cache: bool,
-                 positional: tuple[str, ...]):  # fmt: skip
+                 positional: tuple[str, ...],
+                 guards: list[tuple[str, UnreplacedGuard]] = ()):  # fmt: skip
         self.mixers = mixers
+        self.guards = list(guards)
         self.default_no_cache = default_no_cache
         self.positional = positional
 
     @staticmethod
-    def register(model: nn.Module, mixers: list[tuple[str, FcpMixer]]) -> None:
-        """Register ``model``'s scope, or update the mixers of the one it has (idempotent)."""
+    def register(model: nn.Module, mixers: list[tuple[str, FcpMixer]],
+                 guards: list[tuple[str, UnreplacedGuard]] = ()) -> None:  # fmt: skip
+        """Register ``model``'s scope, or update the mixers and guards of the one it has
+        (idempotent)."""
         for hook in model._forward_pre_hooks.values():
             if isinstance(getattr(hook, "__self__", None), ContextScope):
                 hook.__self__.mixers = mixers
+                hook.__self__.guards = list(guards)
                 return
         params = inspect.signature(model.forward).parameters
         positional = tuple(n for n, p in params.items()
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))  # fmt: skip
-        scope = ContextScope(mixers, "use_cache" in params, positional)
+        scope = ContextScope(mixers, "use_cache" in params, positional, guards)
         # a model that holds the decoder layers builds transformers' masks itself: under a
         # context it gets the mapping "no mask" instead (fcp's mixers take the documents from
         # the context; an eager causal mask alone is [batch, 1, seq, seq], 16 GiB at 64k tokens)
@@ -230,6 +290,8 @@ class ContextScope:
             args, kwargs = self.without_masks(args, kwargs)
         for name, mixer in self.mixers:
             mixer.fcp_expected_by = (*mixer.fcp_expected_by, name)
+        for name, guard in self.guards:
+            guard.expected_by = (*guard.expected_by, name)
         return args, kwargs
 
     def exit(self, model: nn.Module, args: tuple, kwargs: dict, output):
@@ -238,4 +300,6 @@ class ContextScope:
                 and _multimodal_argument(self.arguments(args, kwargs)) is None):  # fmt: skip
             for _, mixer in self.mixers:
                 mixer.fcp_expected_by = mixer.fcp_expected_by[:-1]
+            for _, guard in self.guards:
+                guard.expected_by = guard.expected_by[:-1]
         return None
