@@ -9,8 +9,11 @@ default, which divides by the group size) is compensated by multiplying by what 
 
     # every rank, every step (group: the flattened data x context mesh, or None)
     loss = global_token_mean(loss_sum, n_loss_tokens, group, gradient_divide_factor=world)
-    loss.backward.backward()      # then FSDP2 / DDP average the gradients over `world` ranks
+    loss.objective.backward()     # then FSDP2 / DDP average the gradients over `world` ranks
     loss.value                    # the global mean, identical on every rank, for logging
+
+``n_loss_tokens`` counts this rank's next-token targets: with :func:`fcp.shard_batch`, the
+``shift_labels`` of its local batch (``fcp.loss.loss_token_count(local["shift_labels"])``).
 
 One all-reduce of two fp32 scalars per step (funcol: compiles, no host synchronisation).
 """
@@ -29,12 +32,18 @@ __all__ = ["GlobalMean", "global_token_mean", "loss_token_count"]
 
 
 class GlobalMean(NamedTuple):
-    """``backward``: this rank's term to call ``.backward()`` on; ``value``: the global mean loss
-    (detached, the same on every rank); ``tokens``: the global number of loss tokens (fp32)."""
+    """``objective``: this rank's term to differentiate (``objective.backward()``); ``value``: the
+    global mean loss (detached, the same on every rank); ``tokens``: the global number of loss
+    tokens (fp32)."""
 
-    backward: torch.Tensor
+    objective: torch.Tensor
     value: torch.Tensor
     tokens: torch.Tensor
+
+    def reported(self) -> torch.Tensor:
+        """One tensor for both jobs: its value is :attr:`value` (what one process would report)
+        and its gradient is :attr:`objective`'s (what the gradient reduction needs)."""
+        return self.objective + (self.value - self.objective).detach()
 
 
 def loss_token_count(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -67,7 +76,7 @@ def global_token_mean(
             FSDP2's / DDP's default averaging, 1 for a summing reduction.
 
     Returns:
-        :class:`GlobalMean`: ``backward = loss_sum / N * gradient_divide_factor`` with ``N`` the
+        :class:`GlobalMean`: ``objective = loss_sum / N * gradient_divide_factor`` with ``N`` the
         global number of loss tokens (at least 1, so an all-padding batch gives 0, not NaN).
         After the gradient reduction every rank's gradient is the gradient of the global mean.
     """
@@ -83,5 +92,5 @@ def global_token_mean(
         if isinstance(totals, funcol.AsyncCollectiveTensor):
             totals = totals.wait()
     n = totals[1].clamp(min=1.0)
-    backward = loss_sum * (gradient_divide_factor / n).to(loss_sum.dtype)
-    return GlobalMean(backward, (totals[0] / n).to(loss_sum.dtype), totals[1])
+    objective = loss_sum * (gradient_divide_factor / n).to(loss_sum.dtype)
+    return GlobalMean(objective, (totals[0] / n).to(loss_sum.dtype), totals[1])
