@@ -367,7 +367,8 @@ def state_chain(
     as fp32 ``[..., K, V]``.
 
     One all-gather of the fp32 ``[..., K, K + V]`` block (static shape, independent of where
-    documents start); the chain over earlier ranks is then evaluated locally in fp32.
+    documents start); the chain over earlier ranks is then evaluated locally in fp32, inside
+    ``torch.autocast`` too (:func:`~fcp.scan.fold_maps` turns it off around its matmuls).
     Differentiable with respect to every rank's ``M`` and ``S`` (backward: one reduce-scatter).
 
     ``context`` is a ``PackedContext`` (or a ``GroupInfo``).

@@ -72,6 +72,13 @@ Opaque, a graph holds one node per scan whatever the count, and a dynamic length
 The forward hands the backward the leaf maps and the up-sweep's upper levels packed into one
 ``[..., N + 64, K, K]`` buffer (a size a fake kernel can state; there are ``ceil(log2 N)``).
 
+Precision: every op computes in fp32 (fp64 when an input is fp64), whatever its inputs' (possibly
+mixed) dtypes, and its results are in that dtype; the backward returns each input's gradient in
+the input's dtype. Each op registers an autocast rule (fp32 inputs, autocast off in the kernel),
+so under ``torch.autocast`` the states still accumulate in fp32 and a backward run outside the
+region meets the dtypes its forward saved. :func:`fold_maps` turns autocast off around its
+matmuls.
+
 Exactness: documents stay bitwise separated for finite inputs, as with the loop. In a chunk whose
 last token is in a run that is not the carried one, ``dec_i = 0`` and the nonzero rows of ``kd_i``
 (last run) and ``w_i`` (carried run) are disjoint, so ``A_i`` is an exact zero; every composite
@@ -95,11 +102,50 @@ so no term of an earlier document reaches a later one.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
 __all__ = ["chunk_scan", "decay_scan", "fold_maps"]
+
+
+# ---------------------------------------------------------------------------------------------
+# precision (the same inside torch.autocast as outside)
+# ---------------------------------------------------------------------------------------------
+def _wide(*tensors: torch.Tensor | None) -> torch.dtype:
+    """The scans' compute dtype: fp32 for bf16/fp16/fp32 inputs, fp64 when one is fp64. States
+    and adjoints accumulate in it whatever the inputs' (possibly mixed) dtypes."""
+    dt = torch.float32
+    for t in tensors:
+        if t is not None:
+            dt = torch.promote_types(dt, t.dtype)
+    return dt
+
+
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """A context that turns autocast off for ``device``'s type where it is on, else a no-op.
+
+    Dynamo folds the test (and guards on the autocast state), so a graph traced outside autocast
+    is unchanged; one traced inside holds an autocast-off region, no graph break. (Here, not in
+    :mod:`fcp.ops.kit.common`, which re-exports it: the scans are below the operators' layer.)
+    """
+    kind = device.type
+    if kind != "meta" and torch.is_autocast_enabled(kind):  # meta has no autocast state
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
+
+
+def register_fp32_autocast(*ops) -> None:
+    """Register, for every autocast device type (``cpu``, ``cuda``), autocast's own rule for the
+    custom ops ``ops``: under autocast, floating inputs are cast to fp32 (fp64 stays) and the
+    kernel runs with autocast off, forward and backward ops alike. Unregistered, a custom op is
+    an autocast fallthrough: its kernel's matmuls would run in bf16 and save bf16 tensors for a
+    backward that, run outside the region, meets fp32 gradients."""
+    for op in ops:
+        for device in ("cpu", "cuda"):
+            if torch.amp.is_autocast_available(device):
+                op.register_autocast(device, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +261,9 @@ def chunk_scan_fwd(w: torch.Tensor, u0: torch.Tensor, kd: torch.Tensor, dec: tor
                               torch.Tensor]:  # fmt: skip
     """``(states, pseudo, final, a, upper)``: :func:`chunk_scan`'s results and, for the
     backward, the leaf maps ``a [..., N, K, K]`` and the up-sweep's upper levels packed into
-    ``[..., N + 64, K, K]``."""
+    ``[..., N + 64, K, K]``; all in the compute dtype (:func:`_wide`)."""
+    dt = _wide(w, u0, kd, dec, s0)
+    w, u0, kd, dec = w.to(dt), u0.to(dt), kd.to(dt), dec.to(dt)
     kd_t = _t(kd)
     a = (kd_t @ w).neg_()  # A_i = diag(dec_i) - kd_i^T w_i
     a.diagonal(dim1=-2, dim2=-1).add_(dec)
@@ -223,7 +271,7 @@ def chunk_scan_fwd(w: torch.Tensor, u0: torch.Tensor, kd: torch.Tensor, dec: tor
     if s0 is None:
         x0 = b.new_zeros(*b.shape[:-3], 1, *b.shape[-2:])
     else:
-        x0 = s0[..., None, :, :].to(b.dtype)
+        x0 = s0[..., None, :, :].to(dt)
     if a.shape[-3] == 0:  # no chunks: nothing happens to the state
         return b.clone(), u0.clone(), x0[..., 0, :, :].clone(), a, _pack_upper([], a)
     la, lb = _up(a, b)
@@ -238,9 +286,10 @@ def chunk_scan_fwd(w: torch.Tensor, u0: torch.Tensor, kd: torch.Tensor, dec: tor
 @chunk_scan_fwd.register_fake
 def _(w, u0, kd, dec, s0):
     n, k, v = w.shape[-3], w.shape[-1], u0.shape[-1]
-    lead = u0.shape[:-3]
-    return (u0.new_empty(*lead, n, k, v), u0.new_empty(u0.shape), u0.new_empty(*lead, k, v),
-            u0.new_empty(*lead, n, k, k), u0.new_empty(*lead, n + _TREE_SLACK, k, k))  # fmt: skip
+    lead, dt = u0.shape[:-3], _wide(w, u0, kd, dec, s0)
+    return (u0.new_empty(*lead, n, k, v, dtype=dt), u0.new_empty(u0.shape, dtype=dt),
+            u0.new_empty(*lead, k, v, dtype=dt), u0.new_empty(*lead, n, k, k, dtype=dt),
+            u0.new_empty(*lead, n + _TREE_SLACK, k, k, dtype=dt))  # fmt: skip
 
 
 @torch.library.custom_op("fcp::chunk_scan_bwd", mutates_args=())
@@ -251,18 +300,19 @@ def chunk_scan_bwd(w: torch.Tensor, kd: torch.Tensor, states: torch.Tensor,
                    want_ds0: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor]:  # fmt: skip
-    """``(dw, du0, dkd, ddec, ds0)`` (``ds0`` empty unless ``want_ds0``); see the module
-    docstring's backward."""
-    la = _unpack_levels(a, upper)
-    if g_pseudo is None:
-        g_pseudo = torch.zeros_like(pseudo)
+    """``(dw, du0, dkd, ddec, ds0)`` (``ds0`` empty unless ``want_ds0``) in the compute dtype
+    of all inputs (:func:`_wide`); see the module docstring's backward."""
+    dt = _wide(w, kd, states, pseudo, a, upper, g_states, g_pseudo, g_final)
+    w, kd, states, pseudo = w.to(dt), kd.to(dt), states.to(dt), pseudo.to(dt)
+    la = _unpack_levels(a.to(dt), upper.to(dt))
+    g_pseudo = torch.zeros_like(pseudo) if g_pseudo is None else g_pseudo.to(dt)
     g = (_t(w) @ g_pseudo).neg_()  # dLoss/dS_i through u_i, plus the direct state gradient
     if g_states is not None:
         g = g.add_(g_states)
     if g_final is None:
         x_end = g.new_zeros(*g.shape[:-3], 1, *g.shape[-2:])
     else:
-        x_end = g_final[..., None, :, :].to(g.dtype)
+        x_end = g_final[..., None, :, :].to(dt)
     ds0 = g.new_zeros(0)
     if w.shape[-3] == 0:  # no chunks: final = s0
         lam = g
@@ -282,16 +332,19 @@ def chunk_scan_bwd(w: torch.Tensor, kd: torch.Tensor, states: torch.Tensor,
 
 @chunk_scan_bwd.register_fake
 def _(w, kd, states, pseudo, a, upper, g_states, g_pseudo, g_final, want_ds0):
-    ds0 = states.new_empty(*states.shape[:-3], *states.shape[-2:]) if want_ds0 else (
-        states.new_empty(0))
-    return (w.new_empty(w.shape), pseudo.new_empty(pseudo.shape), kd.new_empty(kd.shape),
-            states.new_empty(states.shape[:-1]), ds0)  # fmt: skip
+    dt = _wide(w, kd, states, pseudo, a, upper, g_states, g_pseudo, g_final)
+    ds0 = states.new_empty(*states.shape[:-3], *states.shape[-2:], dtype=dt) if want_ds0 else (
+        states.new_empty(0, dtype=dt))
+    return (w.new_empty(w.shape, dtype=dt), pseudo.new_empty(pseudo.shape, dtype=dt),
+            kd.new_empty(kd.shape, dtype=dt), states.new_empty(states.shape[:-1], dtype=dt),
+            ds0)  # fmt: skip
 
 
 def _chunk_scan_setup(ctx, inputs, output):
     w, _, kd, _, s0 = inputs
     states, pseudo, _, a, upper = output
     ctx.has_s0 = s0 is not None
+    ctx.dtypes = [None if t is None else t.dtype for t in inputs]
     # the levels only feed the backward; unused outputs' gradients stay None (no zeros made)
     ctx.mark_non_differentiable(a, upper)
     ctx.set_materialize_grads(False)
@@ -301,12 +354,15 @@ def _chunk_scan_setup(ctx, inputs, output):
 def _chunk_scan_backward(ctx, g_states, g_pseudo, g_final, _g_a, _g_upper):
     w, kd, states, pseudo, a, upper = ctx.saved_tensors
     want_ds0 = ctx.has_s0 and ctx.needs_input_grad[4]
-    dw, du0, dkd, ddec, ds0 = chunk_scan_bwd(w, kd, states, pseudo, a, upper, g_states,
-                                             g_pseudo, g_final, want_ds0)  # fmt: skip
-    return dw, du0, dkd, ddec, (ds0 if want_ds0 else None)
+    grads = chunk_scan_bwd(w, kd, states, pseudo, a, upper, g_states, g_pseudo, g_final,
+                           want_ds0)  # fmt: skip
+    # each input's gradient in its own dtype (the op computes in the wider one)
+    return tuple(None if dt is None or (i == 4 and not want_ds0) else grad.to(dt)
+                 for i, (grad, dt) in enumerate(zip(grads, ctx.dtypes)))  # fmt: skip
 
 
 chunk_scan_fwd.register_autograd(_chunk_scan_backward, setup_context=_chunk_scan_setup)
+register_fp32_autocast(chunk_scan_fwd, chunk_scan_bwd)
 
 
 def chunk_scan(
@@ -327,8 +383,9 @@ def chunk_scan(
 
     Returns:
         ``states [..., N, K, V']``, ``pseudo [..., N, C, V']``, ``final [..., K, V']`` (what the
-        loop above stacks and ends with). Differentiable in all inputs (hand-written backward:
-        no double backward, forward-mode AD or vmap).
+        loop above stacks and ends with), in fp32 (fp64 when an input is fp64). Differentiable
+        in all inputs, each gradient in its input's dtype (hand-written backward: no double
+        backward, forward-mode AD or vmap).
     """
     states, pseudo, final, _, _ = chunk_scan_fwd(w, u0, kd, dec, s0)
     return states, pseudo, final
@@ -406,20 +463,24 @@ def _adjoint_sweeps(dec: torch.Tensor, g: torch.Tensor, x_end: torch.Tensor):
 @torch.library.custom_op("fcp::decay_scan_fwd", mutates_args=())
 def decay_scan_fwd(dec: torch.Tensor, b: torch.Tensor,
                    s0: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(states, final)`` of :func:`decay_scan` (an opaque op, like :func:`chunk_scan_fwd`)."""
-    x0 = b.new_zeros(*b.shape[:-3], 1, *b.shape[-2:]) if s0 is None else s0[..., None, :, :]
+    """``(states, final)`` of :func:`decay_scan` (an opaque op, like :func:`chunk_scan_fwd`), in
+    the compute dtype (:func:`_wide`)."""
+    dt = _wide(dec, b, s0)
+    dec, b = dec.to(dt), b.to(dt)
+    x0 = b.new_zeros(*b.shape[:-3], 1, *b.shape[-2:]) if s0 is None else s0[..., None, :, :].to(dt)
     if b.shape[-3] == 0:
         shape = torch.broadcast_shapes(b.shape, dec.shape, x0.shape[:-3] + (0,) + x0.shape[-2:])
-        return b.new_empty(shape), x0[..., 0, :, :].expand(shape[:-3] + shape[-2:]).to(b.dtype, copy=True)
+        return b.new_empty(shape), x0[..., 0, :, :].expand(shape[:-3] + shape[-2:]).clone()
     states, final = _decay_sweeps(dec, b, x0)
-    return states, final.to(b.dtype)
+    return states, final
 
 
 @decay_scan_fwd.register_fake
 def _(dec, b, s0):
     x_shape = b.shape[:-3] + b.shape[-2:] if s0 is None else s0.shape
     shape = torch.broadcast_shapes(b.shape, dec.shape, x_shape[:-2] + (1,) + x_shape[-2:])
-    return b.new_empty(shape), b.new_empty(shape[:-3] + shape[-2:])
+    dt = _wide(dec, b, s0)
+    return b.new_empty(shape, dtype=dt), b.new_empty(shape[:-3] + shape[-2:], dtype=dt)
 
 
 @torch.library.custom_op("fcp::decay_scan_bwd", mutates_args=())
@@ -428,12 +489,15 @@ def decay_scan_bwd(states: torch.Tensor, dec: torch.Tensor, b_like: torch.Tensor
                    g_final: Optional[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ddec, db, ds0)`` shaped like ``dec``, ``b_like`` and ``s0_like`` (``ds0`` empty when
-    ``s0_like`` is ``None``); only the shapes of ``b_like`` and ``s0_like`` are read."""
-    g = torch.zeros_like(states) if g_states is None else g_states
+    ``s0_like`` is ``None``), in the compute dtype of ``states``, ``dec`` and the gradients
+    (:func:`_wide`); only the shapes of ``b_like`` and ``s0_like`` are read."""
+    dt = _wide(states, dec, g_states, g_final)
+    states, dec = states.to(dt), dec.to(dt)
+    g = torch.zeros_like(states) if g_states is None else g_states.to(dt)
     if g_final is None:
         x_end = g.new_zeros(*g.shape[:-3], 1, *g.shape[-2:])
     else:
-        x_end = g_final[..., None, :, :].expand(*g.shape[:-3], 1, *g.shape[-2:])
+        x_end = g_final[..., None, :, :].to(dt).expand(*g.shape[:-3], 1, *g.shape[-2:])
     if g.shape[-3] == 0:
         lam, ds0 = g, x_end[..., 0, :, :].clone()
     else:
@@ -448,8 +512,9 @@ def decay_scan_bwd(states: torch.Tensor, dec: torch.Tensor, b_like: torch.Tensor
 
 @decay_scan_bwd.register_fake
 def _(states, dec, b_like, s0_like, g_states, g_final):
-    ds0 = states.new_empty(0) if s0_like is None else states.new_empty(s0_like.shape)
-    return states.new_empty(dec.shape), states.new_empty(b_like.shape), ds0
+    dt = _wide(states, dec, g_states, g_final)
+    ds0 = states.new_empty(0 if s0_like is None else s0_like.shape, dtype=dt)
+    return states.new_empty(dec.shape, dtype=dt), states.new_empty(b_like.shape, dtype=dt), ds0
 
 
 def _decay_scan_setup(ctx, inputs, output):
@@ -466,10 +531,13 @@ def _decay_scan_backward(ctx, g_states, g_final):
     states, dec, b_like, s0_like = ctx.saved_tensors
     ddec, db, ds0 = decay_scan_bwd(states, dec, b_like, s0_like, g_states, g_final)
     want_ds0 = ctx.has_s0 and ctx.needs_input_grad[2]
-    return ddec, db, (ds0 if want_ds0 else None)
+    # each input's gradient in its own dtype (the op computes in the wider one)
+    return (ddec.to(dec.dtype), db.to(b_like.dtype),
+            ds0.to(s0_like.dtype) if want_ds0 else None)  # fmt: skip
 
 
 decay_scan_fwd.register_autograd(_decay_scan_backward, setup_context=_decay_scan_setup)
+register_fp32_autocast(decay_scan_fwd, decay_scan_bwd)
 
 
 def decay_scan(
@@ -485,10 +553,11 @@ def decay_scan(
 
     Returns:
         ``states [..., N, K, V]`` (the state entering every chunk, ``states[..., 0] = s0``) and
-        ``final [..., K, V]`` (after the last). Equal to the loop
-        ``for i: states.append(S); S = dec[i] * S + b[i]`` up to the association of the sums;
-        log-depth, no Python loop over ``N``. Differentiable in all inputs (hand-written
-        backward: no double backward, forward-mode AD or vmap).
+        ``final [..., K, V]`` (after the last), in fp32 (fp64 when an input is fp64). Equal to
+        the loop ``for i: states.append(S); S = dec[i] * S + b[i]`` up to the association of
+        the sums; log-depth, no Python loop over ``N``. Differentiable in all inputs, each
+        gradient in its input's dtype (hand-written backward: no double backward, forward-mode
+        AD or vmap).
 
     >>> dec = torch.tensor([0.5, 0.0, 1.0]).view(3, 1, 1)
     >>> states, final = decay_scan(dec, torch.ones(3, 1, 1))
@@ -504,9 +573,10 @@ def fold_maps(blocks: torch.Tensor) -> torch.Tensor:
     ``state_chain`` accumulates over ranks ``0..n-1`` (``acc = A_j @ acc + B_j`` from zero)."""
     k = blocks.shape[-2]
     m = blocks.movedim(0, -3)
-    while m.shape[-3] > 1:
-        left, right, odd = _pairs(m)
-        m = right[..., :k] @ left + torch.nn.functional.pad(right[..., k:], (k, 0))
-        if odd is not None:
-            m = torch.cat([m, odd], -3)
+    with autocast_off(blocks.device):  # composed in the blocks' dtype, inside autocast too
+        while m.shape[-3] > 1:
+            left, right, odd = _pairs(m)
+            m = right[..., :k] @ left + torch.nn.functional.pad(right[..., k:], (k, 0))
+            if odd is not None:
+                m = torch.cat([m, odd], -3)
     return m[..., 0, :, :]

@@ -14,7 +14,7 @@ import torch
 from fcp.checks import check_choice, check_positive_int, check_tensor
 from fcp.context import PackedContext, check_context
 from fcp.ops.conv.masked import short_conv_masked
-from fcp.ops.kit.common import choose_backend
+from fcp.ops.kit.common import autocast_off, choose_backend
 
 __all__ = ["ACTIVATIONS", "BACKENDS", "check_conv_inputs", "short_conv"]
 
@@ -79,7 +79,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     dilation = check_conv_inputs(x, weight, bias, context, activation, dilation)
     backend = choose_backend("short_conv", backend, BACKENDS, "masked")
     if backend == "masked":
-        return short_conv_masked(x, weight, bias, context, activation, dilation)
+        with autocast_off(x.device):
+            return short_conv_masked(x, weight, bias, context, activation, dilation)
     if not x.is_cuda or dilation != 1:
         raise ValueError(
             f"short_conv: backend='fla_varlen' needs CUDA tensors and dilation=1, got device "
@@ -87,4 +88,5 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         )
     from fcp.ops.conv.fla import short_conv_fla_varlen  # imported on use: a CUDA-only path
 
-    return short_conv_fla_varlen(x, weight, bias, context, activation)
+    with autocast_off(x.device):
+        return short_conv_fla_varlen(x, weight, bias, context, activation)

@@ -22,7 +22,7 @@ from fcp.context import PackedContext
 from fcp.ops.doc_causal.dense import doc_causal_dense
 from fcp.ops.doc_causal.flex import doc_causal_flex
 from fcp.ops.kit.attention import SOFTMAX_BACKENDS, attention_backend, check_qkv
-from fcp.ops.kit.common import default_scale, finite_or_zero, zero_nonfinite_grad
+from fcp.ops.kit.common import autocast_off, default_scale, finite_or_zero, zero_nonfinite_grad
 
 __all__ = ["BACKENDS", "doc_causal_attention"]
 
@@ -73,4 +73,6 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cont
     if query_chunk is not None:
         query_chunk = check_positive_int(query_chunk, "query_chunk", fn=name)
     q, k, v = finite_or_zero(q), finite_or_zero(k), finite_or_zero(v)
-    return zero_nonfinite_grad(_RUN[backend](q, k, v, context, scale, query_chunk))
+    with autocast_off(q.device):
+        out = _RUN[backend](q, k, v, context, scale, query_chunk)
+    return zero_nonfinite_grad(out)

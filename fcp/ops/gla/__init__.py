@@ -15,7 +15,13 @@ import torch
 from fcp.checks import check_power_of_two, check_tensor
 from fcp.context import PackedContext, check_context
 from fcp.ops.gla.chunked import gla_chunked
-from fcp.ops.kit.common import choose_backend, default_scale, finite_or_zero, zero_nonfinite_grad
+from fcp.ops.kit.common import (
+    autocast_off,
+    choose_backend,
+    default_scale,
+    finite_or_zero,
+    zero_nonfinite_grad,
+)
 
 __all__ = ["BACKENDS", "check_gla_inputs", "gla"]
 
@@ -112,7 +118,7 @@ def gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
     scale = default_scale(q.shape[-1], scale)
     q, k, v, a = (finite_or_zero(t) for t in (q, k, v, a))
     if backend == "chunked":
-        out = gla_chunked(q, k, v, a, context, scale, chunk_size)
+        run = gla_chunked
     else:
         from fcp.ops.gla import fla  # imported on use: a CUDA-only path
 
@@ -123,5 +129,7 @@ def gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                 f"gla: backend={backend!r} needs chunk_size in {fla.FLA_CHUNK_SIZES}, got "
                 f"{chunk_size}"
             )
-        out = fla.gla_fla_static(q, k, v, a, context, scale, chunk_size)
+        run = fla.gla_fla_static
+    with autocast_off(q.device):
+        out = run(q, k, v, a, context, scale, chunk_size)
     return zero_nonfinite_grad(out)

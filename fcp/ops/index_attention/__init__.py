@@ -19,7 +19,13 @@ from fcp.checks import check_choice, check_positive_int, check_tensor
 from fcp.context import PackedContext, check_context
 from fcp.ops.index_attention.gather import index_attention_gather
 from fcp.ops.kit.attention import check_qkv
-from fcp.ops.kit.common import choose_backend, default_scale, finite_or_zero, zero_nonfinite_grad
+from fcp.ops.kit.common import (
+    autocast_off,
+    choose_backend,
+    default_scale,
+    finite_or_zero,
+    zero_nonfinite_grad,
+)
 
 __all__ = ["BACKENDS", "KV_MODES", "index_attention"]
 
@@ -90,5 +96,6 @@ def index_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: 
     backend = choose_backend(name, backend, BACKENDS, "gather")
     scale = default_scale(q.shape[-1], scale)
     q, k, v = finite_or_zero(q), finite_or_zero(k), finite_or_zero(v)
-    out = _RUN[backend](q, k, v, indices.detach(), context, scale, kv, query_chunk)
+    with autocast_off(q.device):
+        out = _RUN[backend](q, k, v, indices.detach(), context, scale, kv, query_chunk)
     return zero_nonfinite_grad(out)

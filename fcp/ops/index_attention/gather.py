@@ -33,6 +33,7 @@ from fcp.comm import all_gather_sequence
 from fcp.context import PackedContext
 from fcp.layout import PAD_DOC_ID
 from fcp.ops.kit.attention import with_anchors
+from fcp.ops.kit.common import register_fp32_autocast
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -183,6 +184,7 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 index_attention_fwd.register_autograd(_backward, setup_context=_setup)
+register_fp32_autocast(index_attention_fwd, index_attention_bwd)
 
 
 def gather_attention(q: torch.Tensor, kv: torch.Tensor, dk: int, slots: torch.Tensor,

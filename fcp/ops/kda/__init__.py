@@ -19,7 +19,13 @@ import torch
 from fcp.checks import check_power_of_two, check_tensor
 from fcp.context import PackedContext, check_context
 from fcp.ops.kda.chunked import kda_chunked
-from fcp.ops.kit.common import choose_backend, default_scale, finite_or_zero, zero_nonfinite_grad
+from fcp.ops.kit.common import (
+    autocast_off,
+    choose_backend,
+    default_scale,
+    finite_or_zero,
+    zero_nonfinite_grad,
+)
 from fcp.pytree import has_data
 
 __all__ = ["BACKENDS", "check_kda_inputs", "kda"]
@@ -140,7 +146,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         # FLA's KDA kernels take per-key-dimension gates (fcp wraps no GDN kernel): broadcast
         g = g[..., None].expand(*g.shape, q.shape[-1])
     if backend == "chunked":
-        out = kda_chunked(q, k, v, g, beta, context, scale, chunk_size)
+        run = kda_chunked
     else:
         from fcp.ops.kda import fla  # imported on use: a CUDA-only path
 
@@ -152,5 +158,6 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
                 f"K <= 256, got chunk_size={chunk_size}, K={q.shape[-1]}"
             )
         run = fla.kda_fla_static if backend == "fla" else fla.kda_fla_varlen
+    with autocast_off(q.device):
         out = run(q, k, v, g, beta, context, scale, chunk_size)
     return zero_nonfinite_grad(out)

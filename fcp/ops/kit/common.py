@@ -5,6 +5,8 @@
 * :func:`default_scale` - ``D ** -0.5`` unless given.
 * :func:`compute_dtype` - fp32 for fp32/bf16/fp16 inputs, fp64 when any input is fp64: state
   chains and reductions accumulate in fp32 whatever the input dtype.
+* :func:`autocast_off` and :func:`register_fp32_autocast` - every dispatcher runs its backend
+  with autocast off, and every custom op has autocast's fp32 rule (see below).
 * :func:`finite_or_zero` and :func:`zero_nonfinite_grad` - how operators keep a non-finite
   value inside its own document (see below).
 
@@ -17,6 +19,23 @@ cross-token backward arithmetic. A finite input is unchanged bitwise, so every o
 outputs and gradients are bitwise those of a clean run. The poisoned token itself keeps its NaN
 wherever it flows without mixing (the residual stream of a model, so the loss still shows it);
 what this operator returns for the poisoned document is unspecified.
+
+Autocast. An operator's precision is its own contract (fp32 state, scores and sums, the output in
+a documented input's dtype), the same inside ``torch.autocast`` as outside. Autocast would
+otherwise reach the aten ops inside it, custom ops' kernels included (an unregistered custom op
+is a fallthrough for the autocast key, so its kernel's matmuls run in bf16): KDA's in-chunk
+inverses and the scans' states would be rounded to bf16, and tensors saved in bf16 would meet
+fp32 gradients in a backward run outside the region (mixed-dtype matmuls: an error). So each
+dispatcher runs its backend under :func:`autocast_off`: under autocast an operator returns,
+bitwise, what it returns for the same tensors outside, and so does its backward run outside the
+region (TRL's ``bf16=True`` and accelerate's mixed precision). The custom ops also register
+autocast's fp32 rule (:func:`register_fp32_autocast`), for callers that reach them directly and
+for a backward run under autocast. Such a backward (eager inside the region, or compiled: PyTorch
+traces a compiled region's backward with its forward's autocast state unless
+``torch._functorch.config.backward_pass_autocast = "off"``) still has autograd's formulas for
+the aten matmuls of KDA's and GLA's chunk forms and of :func:`fcp.scan.fold_maps` autocast to
+bf16 by PyTorch: their input gradients measured 1.7-2.6x the error of a plain bf16 run against
+fp64. With ``backward_pass_autocast = "off"`` a compiled run equals the eager one, bitwise.
 """
 
 from __future__ import annotations
@@ -25,12 +44,15 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fcp.checks import check_choice, check_float
+from fcp.scan import autocast_off, register_fp32_autocast
 
 __all__ = [
+    "autocast_off",
     "choose_backend",
     "default_scale",
     "compute_dtype",
     "finite_or_zero",
+    "register_fp32_autocast",
     "repeat_last",
     "trim",
     "zero_nonfinite_grad",

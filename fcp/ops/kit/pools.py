@@ -59,6 +59,7 @@ from fcp.checks import check_positive_int, check_tensor
 from fcp.comm import all_gather_sequence, left_halo
 from fcp.context import PackedContext
 from fcp.layout import PAD_DOC_ID, document_starts, position_ids_from_doc_ids
+from fcp.ops.kit.common import register_fp32_autocast
 
 __all__ = [
     "check_selection",
@@ -442,6 +443,9 @@ def _(q, keys, head_weights, slots, doc_ids, seq_start, kpool, band, n_pools, sc
     shape = (*q.shape[:2], n_pools)
     return (q.new_empty(shape, dtype=torch.int64), q.new_empty(shape, dtype=torch.bool),
             q.new_empty(shape))  # fmt: skip
+
+
+register_fp32_autocast(pool_top)
 
 
 #: Where the tail goes in a row: after ``min(n_pools, complete pools of the document)`` pool

@@ -43,7 +43,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fcp.layout import OUTSIDE_DOC_ID, PAD_DOC_ID
-from fcp.ops.kit.common import compute_dtype, trim
+from fcp.ops.kit.common import compute_dtype, register_fp32_autocast, trim
 
 __all__ = ["BLOCK", "CHUNK_ELEMENTS", "Window", "banded_attention", "key_block_windows"]
 
@@ -295,6 +295,7 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 banded_attention_fwd.register_autograd(_backward, setup_context=_setup)
+register_fp32_autocast(banded_attention_fwd, banded_attention_bwd)
 
 
 #: ``key_lo`` of padding keys: visible to no query. 2**62, not int64's maximum: the pad value

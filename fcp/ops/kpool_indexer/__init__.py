@@ -13,7 +13,7 @@ import torch
 
 from fcp.checks import check_bool, check_positive_int, check_tensor
 from fcp.context import PackedContext, check_context
-from fcp.ops.kit.common import choose_backend, default_scale, finite_or_zero
+from fcp.ops.kit.common import autocast_off, choose_backend, default_scale, finite_or_zero
 from fcp.ops.kit.pools import check_selection
 from fcp.ops.kpool_indexer.pooled import kpool_indexer_pooled
 
@@ -104,5 +104,6 @@ def kpool_indexer(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: tor
     index_q, index_k, gate_logits, ape, head_weights = (
         finite_or_zero(t.detach()) for t in (index_q, index_k, gate_logits, ape, head_weights)
     )
-    return _RUN[backend](index_q, index_k, gate_logits, ape, head_weights, context, topk, kpool,
-                         select_tail, scale, query_chunk)  # fmt: skip
+    with autocast_off(index_q.device):  # the same selection inside autocast as outside
+        return _RUN[backend](index_q, index_k, gate_logits, ape, head_weights, context, topk,
+                             kpool, select_tail, scale, query_chunk)  # fmt: skip

@@ -16,7 +16,7 @@ import torch
 
 from fcp.checks import check_float, check_positive_int, check_tensor
 from fcp.context import PackedContext, check_context
-from fcp.ops.kit.common import choose_backend, finite_or_zero
+from fcp.ops.kit.common import autocast_off, choose_backend, finite_or_zero
 from fcp.ops.kit.pools import check_selection
 from fcp.ops.qsa_indexer.pooled import qsa_indexer_pooled
 
@@ -108,5 +108,6 @@ def qsa_indexer(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weight: tor
         finite_or_zero(t.detach())
         for t in (index_q, index_k, q_norm_weight, k_norm_weight, cos, sin)
     )
-    return _RUN[backend](index_q, index_k, q_norm_weight, k_norm_weight, cos, sin, context,
-                         budget, ratio, eps, query_chunk)  # fmt: skip
+    with autocast_off(index_q.device):  # the same selection inside autocast as outside
+        return _RUN[backend](index_q, index_k, q_norm_weight, k_norm_weight, cos, sin, context,
+                             budget, ratio, eps, query_chunk)  # fmt: skip
