@@ -3,10 +3,14 @@
     .venv/bin/python -m benchmarks.bench_agreement [--repeats 20]
 
 Before anything depends on it, ``shard_batch`` checks that every CP rank holds the same batch:
-a 128-bit hash of the document map (host) and one all-gather of 6 int64 per rank. Measured on 4
-gloo ranks (the demo's CP size), slowest rank, medians, the variants interleaved, next to one
-bare all-gather of the same 48 bytes (on CPU ranks sharing few cores the check costs about one
-such collective's latency, which the machine's load decides):
+a 128-bit hash of the document map (host) and one exchange of 48 bytes per rank through the
+process group's store (five small store requests per rank: round counter, write, wait, read,
+delete), which also bounds how long a rank waits for one that never comes (``join_timeout``).
+Measured on 4 gloo ranks (the demo's CP size), slowest rank, medians, the variants interleaved,
+next to one bare all-gather of the same 48 bytes and to the store exchange alone, on the pool's
+``FileStore`` (what the demo and the tests use: torch's ``FileStore.wait`` polls every 10 ms)
+and on a ``TCPStore`` (what ``torchrun`` / ``env://`` give: the server answers a wait when the
+last key arrives):
 
 1. the demo's batch (one 512-token row of packed stdlib text): ``shard_batch`` with and without
    the check, and the demo model's forward + backward on the local batch (eager; the demo's real
@@ -29,6 +33,8 @@ from benchmarks.common import Table
 from benchmarks.bench_layout import random_seq_lens
 from examples.data import PackedDocuments
 from examples.glm5_hf import Glm5NextLM
+from fcp.groups import resolve_group
+from fcp.shard import _store_exchange, _store_of
 from tests.support.rank_pool import RankPool
 
 
@@ -41,13 +47,18 @@ def job(env, batch: dict, repeats: int, with_step: bool) -> dict:
         fn()
         return time.perf_counter() - t0
 
-    times = {"check": [], "skip": [], "gather": [], "step": []}
+    times = {"check": [], "skip": [], "gather": [], "file_store": [], "tcp_store": [], "step": []}
     summary = torch.zeros(1, 6, dtype=torch.int64)
+    info, row = resolve_group(env.group), [0] * 6
+    file_store, tcp_store = _store_of(env.group), _tcp_store(env)
     for _ in range(repeats + 1):  # the first round warms up
         times["check"].append(timed(lambda: fcp.shard_batch(env.group, batch)))
         times["skip"].append(timed(lambda: fcp.shard_batch(env.group, batch,
                                                            check_agreement=False)))  # fmt: skip
         times["gather"].append(timed(lambda: fcp.all_gather_sequence(summary, env.group, 0)))
+        for name, store in (("file_store", file_store), ("tcp_store", tcp_store)):
+            times[name].append(timed(lambda: _store_exchange(store, info, row, 60.0, "bench")))
+    dist.barrier(env.group)  # rank 0 serves the TCPStore: nobody may still be reading from it
     if with_step:
         model = Glm5NextLM.from_config()
         local, ctx = fcp.shard_batch(env.group, batch, pad_multiple=model.pad_multiple)
@@ -55,6 +66,20 @@ def job(env, batch: dict, repeats: int, with_step: bool) -> dict:
             model.zero_grad(set_to_none=True)
             times["step"].append(timed(lambda: train_step(model, local, ctx)))
     return {k: statistics.median(v[1:]) for k, v in times.items() if v}
+
+
+def _tcp_store(env):
+    """A ``TCPStore`` served by rank 0 on a free port (what ``torchrun`` gives every job)."""
+    port = [None]
+    if env.rank == 0:
+        server = dist.TCPStore("127.0.0.1", 0, env.world_size, is_master=True,
+                               wait_for_workers=False)  # fmt: skip
+        port = [server.port]
+    dist.broadcast_object_list(port, src=0, group=env.group)
+    store = server if env.rank == 0 else dist.TCPStore("127.0.0.1", port[0], env.world_size,
+                                                       is_master=False)  # fmt: skip
+    dist.barrier(env.group)
+    return dist.PrefixStore("bench_agreement", store)
 
 
 def main(argv=None) -> list[dict]:
@@ -65,11 +90,12 @@ def main(argv=None) -> list[dict]:
     demo = PackedDocuments(512, 1, seed=0).batches(1)[0]
     big_lens = random_seq_lens(1_000_000, 100_000)
     ids = torch.randint(0, 256, (1, 1_000_000), generator=torch.Generator().manual_seed(0))
-    big = {"input_ids": ids, "labels": ids.roll(-1, 1), "seq_lens": big_lens}
+    big = {"input_ids": ids, "shift_labels": ids.roll(-1, 1), "seq_lens": big_lens}
     rows = []
     print(f"# shard_batch's agreement check on {args.world} gloo ranks (slowest rank, medians)")
     table = Table(("batch", ">26"), ("with s", "9.5f"), ("without s", "9.5f"), ("check s", "9.5f"),
-                  ("48 B gather", "11.5f"), ("demo step s", "11.4f"), ("check / step", "12.2%"),
+                  ("48 B gather", "11.5f"), ("FileStore xchg", "14.5f"),
+                  ("TCPStore xchg", "13.5f"), ("demo step s", "11.4f"), ("check / step", "12.2%"),
                   ("check / shard", "13.1%"))  # fmt: skip
     table.header()
     with RankPool(max_world_size=args.world, timeout=600, job_timeout=3600) as pool:
@@ -82,13 +108,14 @@ def main(argv=None) -> list[dict]:
             check = max(t["check"] - t["skip"], 0.0)
             row = dict(batch=name, world=args.world, with_check_s=t["check"],
                        without_s=t["skip"], check_s=check, gather_s=t["gather"],
+                       file_store_exchange_s=t["file_store"], tcp_store_exchange_s=t["tcp_store"],
                        step_s=t.get("step"),
                        check_over_step=check / t["step"] if "step" in t else None,
                        check_over_shard=check / t["skip"])  # fmt: skip
             rows.append(row)
             step = (t["step"], row["check_over_step"]) if "step" in t else ("-", "-")
-            table.row(name, t["check"], t["skip"], check, t["gather"], *step,
-                      row["check_over_shard"])  # fmt: skip
+            table.row(name, t["check"], t["skip"], check, t["gather"], t["file_store"],
+                      t["tcp_store"], *step, row["check_over_shard"])  # fmt: skip
     return rows
 
 

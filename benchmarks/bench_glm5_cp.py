@@ -30,7 +30,7 @@ from examples.glm5_hf import Glm5NextLM
 def train_step(model, local, ctx):
     """Forward, token-summed cross-entropy, backward: the demo step without FSDP and optimizer."""
     logits = model(local["input_ids"], ctx)
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), local["labels"].flatten(),
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), local["shift_labels"].flatten(),
                                              ignore_index=-100, reduction="sum")  # fmt: skip
     loss.backward()
 

@@ -63,7 +63,7 @@ def main() -> None:
     from fcp.shard import shard_batch
 
     ids = torch.randint(0, 256, (1, args.tokens))
-    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "seq_lens": seq_lens}
+    batch = {"input_ids": ids, "shift_labels": ids.roll(-1, 1), "seq_lens": seq_lens}
     # Each CP rank runs the same host-side planning on the replicated batch; GroupInfo stands in
     # for an 8-rank group (without the ranks' agreement check, shard_batch issues no collective,
     # so no processes are needed; benchmarks/bench_agreement.py measures the check).

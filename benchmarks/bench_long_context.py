@@ -79,7 +79,7 @@ def _loss(name, model, local, ctx, vocab):
     if name == "glm5":
         logits = model(ids, ctx)
         return torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), local["labels"].flatten(), ignore_index=-100, reduction="sum"
+            logits.flatten(0, 1), local["shift_labels"].flatten(), ignore_index=-100, reduction="sum"
         )
     # under a context enable_packed_cp hands the model an empty mask mapping: no [seq, seq]
     # causal mask is built (16 GiB at 64k tokens)

@@ -17,10 +17,13 @@ Packing, deterministic for a given ``seed`` and Python installation:
 
 A batch is what :func:`fcp.shard_batch` takes::
 
-    {"input_ids": int64 [batch, seq_len],        # pad tokens are 0
-     "labels":    int64 [batch, seq_len],        # next byte of the same document, else -100
-     "seq_lens":  int64 [batch, max_docs],       # per-row document lengths, -1000 = unused slot
-     "cu_seqlens": int64 [docs + 1]}             # only when batch == 1 (one packed row)
+    {"input_ids":    int64 [batch, seq_len],     # pad tokens are 0
+     "shift_labels": int64 [batch, seq_len],     # next byte of the same document, else -100
+     "seq_lens":     int64 [batch, max_docs],    # per-row document lengths, -1000 = unused slot
+     "cu_seqlens":   int64 [docs + 1]}           # only when batch == 1 (one packed row)
+
+``shift_labels`` are next-token targets already aligned with the tokens (transformers' name;
+unshifted ``labels`` would be the tokens themselves, shifted by :func:`fcp.shard_batch`).
 
 Example::
 
@@ -133,7 +136,7 @@ def make_batch(rows: list[list[bytes]], seq_len: int) -> dict[str, torch.Tensor]
     """Token/label tensors and packing metadata for rows of documents (module docstring)."""
     n = len(rows)
     input_ids = torch.full((n, seq_len), PAD_TOKEN_ID, dtype=torch.long)
-    labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
+    targets = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
     max_docs = max(1, max(len(r) for r in rows))
     seq_lens = torch.full((n, max_docs), SEQ_LENS_SENTINEL, dtype=torch.long)
     for i, row in enumerate(rows):
@@ -143,10 +146,10 @@ def make_batch(rows: list[list[bytes]], seq_len: int) -> dict[str, torch.Tensor]
             if pos + len(ids) > seq_len:
                 raise ValueError(f"row {i} holds more than seq_len={seq_len} tokens")
             input_ids[i, pos : pos + len(ids)] = ids
-            labels[i, pos : pos + len(ids) - 1] = ids[1:]  # the last token predicts nothing
+            targets[i, pos : pos + len(ids) - 1] = ids[1:]  # the last token predicts nothing
             seq_lens[i, j] = len(ids)
             pos += len(ids)
-    batch = {"input_ids": input_ids, "labels": labels, "seq_lens": seq_lens}
+    batch = {"input_ids": input_ids, "shift_labels": targets, "seq_lens": seq_lens}
     if n == 1:
         lens = seq_lens[0][seq_lens[0] >= 0]
         batch["cu_seqlens"] = torch.cat([lens.new_zeros(1), lens.cumsum(0)])

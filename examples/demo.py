@@ -246,7 +246,7 @@ def train(group, opts: DemoOptions, *, on_step=None) -> dict:
         first = {k: v.to(device) for k, v in first.items()}
         local, ctx = fcp.shard_batch(layout.cp_group, first, pad_multiple=pad_multiple)
         with CommBytes(rank, world) as probe:
-            loss_sum(model, local["input_ids"], local["labels"], ctx).backward()
+            loss_sum(model, local["input_ids"], local["shift_labels"], ctx).backward()
         model.zero_grad(set_to_none=True)
 
     backend = CountingBackend(opts.backend, rank, world)
@@ -268,10 +268,11 @@ def train(group, opts: DemoOptions, *, on_step=None) -> dict:
         t0 = time.perf_counter()
         mine = replica_rows(batch, layout)
         local, ctx = fcp.shard_batch(layout.cp_group, mine, pad_multiple=pad_multiple)
-        total = loss_sum(model, local["input_ids"], local["labels"], ctx)
-        loss = global_token_mean(total, loss_token_count(local["labels"]), layout.all_ranks,
+        targets = local["shift_labels"]
+        total = loss_sum(model, local["input_ids"], targets, ctx)
+        loss = global_token_mean(total, loss_token_count(targets), layout.all_ranks,
                                  gradient_divide_factor=world)  # fmt: skip
-        loss.backward.backward()
+        loss.objective.backward()
         sync()
         t_cp = time.perf_counter() - t0
 
@@ -283,11 +284,12 @@ def train(group, opts: DemoOptions, *, on_step=None) -> dict:
         single = None
         if rank == 0 and (ref is not None or twin is not None):
             single, ctx1 = fcp.shard_batch(None, batch, pad_multiple=pad_multiple)
-            n_global = loss_token_count(single["labels"]).clamp(min=1)
+            single_targets = single["shift_labels"]
+            n_global = loss_token_count(single_targets).clamp(min=1)
         if ref is not None and check:
             ref.load_state_dict(full_state)
             with torch.no_grad():
-                loss_ref = loss_sum(ref, single["input_ids"], single["labels"], ctx1) / n_global
+                loss_ref = loss_sum(ref, single["input_ids"], single_targets, ctx1) / n_global
             record["loss_ref"] = float(loss_ref)
 
         t2 = time.perf_counter()
@@ -314,7 +316,7 @@ def train(group, opts: DemoOptions, *, on_step=None) -> dict:
         # --- the independent single-process twin (rank 0) --------------------------------------
         if twin is not None:
             t3 = time.perf_counter()
-            twin_loss = loss_sum(twin, single["input_ids"], single["labels"], ctx1) / n_global
+            twin_loss = loss_sum(twin, single["input_ids"], single_targets, ctx1) / n_global
             twin_loss.backward()
             _step_optimizer(twin, twin_opt, twin_sched, opts.clip)
             record["time_twin_s"] = time.perf_counter() - t3
@@ -369,29 +371,23 @@ def _median(xs):
     return xs[len(xs) // 2] if xs else float("nan")
 
 
-def write_report(result: dict, opts: DemoOptions, out_dir: Path, wall_s: float) -> Path:
-    """``steps.csv``, ``curves.png`` and ``report.md`` in ``out_dir``; returns the report path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    recs, summ = result["records"], result["summary"]
-    steps = [r["step"] for r in recs]
-    has_ref, has_twin = "loss_ref" in recs[0], "loss_twin" in recs[0]
-
-    keys = list(dict.fromkeys(k for r in recs for k in r))
-    checked = [r for r in recs if "loss_ref" in r]  # the steps with a same-weights check
-
-    def cell(v):
-        return "" if v is None else f"{v:.9g}" if isinstance(v, float) else str(v)
-
-    with open(out_dir / "steps.csv", "w") as f:
-        f.write(",".join(keys) + "\n")
-        for r in recs:
-            f.write(",".join(cell(r.get(k)) for k in keys) + "\n")
-
-    import matplotlib
-
+def _plot(recs: list, summ: dict, path: Path) -> bool:
+    """The loss, difference and throughput curves as ``path``; False (and a printed note) when
+    matplotlib is missing, so that a finished training still reports its numbers."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot ({path.name} skipped; "
+              "pip install matplotlib draws it)")
+        path.unlink(missing_ok=True)  # an earlier run's plot would pass for this one's
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    steps = [r["step"] for r in recs]
+    has_ref, has_twin = "loss_ref" in recs[0], "loss_twin" in recs[0]
+    checked = [r for r in recs if "loss_ref" in r]
+    later = recs[1:] or recs
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.2))
     ax1.plot(steps, [r["loss_cp"] for r in recs], label=f"dp {summ['dp']} x cp {summ['cp']}", lw=2)
     if has_ref:
@@ -420,7 +416,6 @@ def write_report(result: dict, opts: DemoOptions, out_dir: Path, wall_s: float) 
     ax2.set_xlabel("step")
     ax2.set_title(f"|loss parallel - loss one process| / loss (at {floor:g}: bitwise equal)",
                   fontsize=10)  # fmt: skip
-    later = recs[1:] or recs
     ax3.plot([r["step"] for r in later], [r["tokens_per_s"] for r in later], lw=1)
     ax3.set_ylim(bottom=0)
     ax3.set_xlabel("step")
@@ -428,8 +423,30 @@ def write_report(result: dict, opts: DemoOptions, out_dir: Path, wall_s: float) 
     ax3.set_title(f"step throughput (step 1, compiling: {recs[0]['time_cp_s']:.0f} s)",
                   fontsize=10)
     fig.tight_layout()
-    fig.savefig(out_dir / "curves.png", dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
+
+
+def write_report(result: dict, opts: DemoOptions, out_dir: Path, wall_s: float) -> Path:
+    """``steps.csv``, ``curves.png`` and ``report.md`` in ``out_dir``; returns the report path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    recs, summ = result["records"], result["summary"]
+    has_ref, has_twin = "loss_ref" in recs[0], "loss_twin" in recs[0]
+
+    keys = list(dict.fromkeys(k for r in recs for k in r))
+    checked = [r for r in recs if "loss_ref" in r]  # the steps with a same-weights check
+
+    def cell(v):
+        return "" if v is None else f"{v:.9g}" if isinstance(v, float) else str(v)
+
+    with open(out_dir / "steps.csv", "w") as f:
+        f.write(",".join(keys) + "\n")
+        for r in recs:
+            f.write(",".join(cell(r.get(k)) for k in keys) + "\n")
+
+    later = recs[1:] or recs
+    plotted = _plot(recs, summ, out_dir / "curves.png")
 
     tps = _median([r["tokens_per_s"] for r in later])
     last = recs[-1]
@@ -483,7 +500,8 @@ def write_report(result: dict, opts: DemoOptions, out_dir: Path, wall_s: float) 
         f"| graphs compiled (one per token mixer) / recompilations after step 1 / graph breaks | "
         f"{summ['graphs_compiled']} / {summ['recompiles']} / {summ['graph_breaks']} |",
         "",
-        "![loss, CP vs no CP, throughput](curves.png)",
+        "![loss, CP vs no CP, throughput](curves.png)" if plotted
+        else "(no plot: matplotlib is not installed)",
         "",
         "*One process, same weights*: rank 0 gathers the current parameters and runs the model "
         "on the whole global batch before each optimizer step; the difference is float32 "
@@ -571,21 +589,28 @@ def run(rank: int, world: int, opts: DemoOptions, out_dir: Path) -> dict | None:
     print(msg)
     print(f"graphs compiled {s['graphs_compiled']} (one per token mixer), recompilations after "
           f"step 1 {s['recompiles']}, graph breaks {s['graph_breaks']}")
-    path = write_report(result, opts, out_dir, wall)
-    print(f"report: {path}  (plot: {path.parent / 'curves.png'}, every step: "
-          f"{path.parent / 'steps.csv'})")
-    if opts.twin:
-        worst = max(r["twin_rel_diff"] for r in recs)
-        first = next((r["step"] for r in recs if r["twin_rel_diff"] >= 1e-4), None)
-        print(f"single-process twin (independent training): last loss "
-              f"{recs[-1]['loss_twin']:.6f}, max relative difference {worst:.1e}"
-              + (f", below 1e-4 through step {first - 1} (float32 rounding amplified by training)"
-                 if first else ""))  # fmt: skip
     # the exactness of every step: the parallel loss against one process with the same weights
-    # (the twin when that check is off)
+    # (the twin when that check is off); printed last whatever the report does
     final = [r["rel_diff"] for r in checked] or [r["twin_rel_diff"] for r in recs if opts.twin]
-    if final:
-        print(f"max relative difference vs single process: {max(final):.3e}")
+    try:
+        path = write_report(result, opts, out_dir, wall)
+        plot = path.parent / "curves.png"
+        print(f"report: {path}  ("
+              + (f"plot: {plot}, " if plot.exists() else "no plot, ")
+              + f"every step: {path.parent / 'steps.csv'})")  # fmt: skip
+        if opts.twin:
+            worst = max(r["twin_rel_diff"] for r in recs)
+            first = next((r["step"] for r in recs if r["twin_rel_diff"] >= 1e-4), None)
+            print(f"single-process twin (independent training): last loss "
+                  f"{recs[-1]['loss_twin']:.6f}, max relative difference {worst:.1e}"
+                  + (f", below 1e-4 through step {first - 1} (float32 rounding amplified by "
+                     "training)" if first else ""))  # fmt: skip
+    finally:
+        if final:
+            print(f"max relative difference vs single process: {max(final):.3e}")
+        else:
+            print("max relative difference vs single process: n/a (no single-process check "
+                  "ran: --no-reference and --no-twin)")
     return result
 
 

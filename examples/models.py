@@ -11,7 +11,7 @@ rank's token slice and its :class:`fcp.PackedContext`::
 
     local, ctx = fcp.shard_batch(cp_group, batch, pad_multiple=model.pad_multiple)
     logits = model(local["input_ids"], ctx)                    # [batch, local_seq, 256]
-    loss = token_loss_sum(logits, local["labels"]) / n_loss_tokens_of_the_full_batch
+    loss = token_loss_sum(logits, local["shift_labels"]) / n_loss_tokens_of_the_full_batch
 
 The same code runs without CP (``cp_group=None`` or ``fcp.PackedContext(doc_ids)``) and with CP
 over any number of ranks: every token-mixing operator (short conv, KDA, the indexer, index and
@@ -340,17 +340,19 @@ def build_model(name: str, **overrides) -> HybridLM:
     return MODELS[name](**overrides)
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of the next-token cross entropies of the labelled tokens in ``logits``.
+def token_loss_sum(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of the next-token cross entropies of the labelled tokens in ``logits``
+    against ``shift_labels`` (the next-token targets, aligned with the tokens, as
+    :func:`fcp.shard_batch` builds them).
 
     Divide by the number of labelled tokens of the **full** batch (:func:`count_loss_tokens`),
     so that the per-rank losses of a CP step add up to the non-CP mean loss.
     """
     return F.cross_entropy(
-        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.flatten(0, 1), shift_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 
-def count_loss_tokens(labels: torch.Tensor) -> int:
+def count_loss_tokens(shift_labels: torch.Tensor) -> int:
     """Labelled tokens of a (replicated, full) batch: the global loss denominator."""
-    return int((labels != IGNORE_INDEX).sum())
+    return int((shift_labels != IGNORE_INDEX).sum())

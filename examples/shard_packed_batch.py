@@ -28,7 +28,9 @@ def packed_batch() -> dict:
     ids = torch.cat(docs)
     return {
         "input_ids": ids,  # a THD row: [sequence]; the sharder restores the batch axis
-        "labels": torch.cat([ids[1:], ids.new_tensor([-100])]),
+        # transformers' unshifted labels: shard_batch turns them into next-token targets of the
+        # same document (local["shift_labels"]) before it splits the row
+        "labels": ids.clone(),
         "cu_seqlens": torch.tensor([0, *torch.cumsum(torch.tensor([len(d) for d in docs]), 0)]),
     }
 

@@ -19,12 +19,13 @@ Conventions (every function here follows them):
   trailing slots of a fixed-width ``[batch, documents]`` tensor.  The sentinel
   must be negative because 0 is a legitimate (zero-length) document.
 
-Host-side functions (``doc_ids_from_*``, ``segment_cu_seqlens``,
-``packed_boundaries_from_seq_lens``, ``longest_document``, ``validate_*``) may
-synchronise with the device and have data-dependent output shapes.  ``document_starts``,
-``position_ids_from_doc_ids`` and ``lengths_from_doc_ids``
-are compile-safe: no host sync, no data-dependent shapes.  Nothing loops over
-documents or tokens in Python.  Every rejection is a ``ValueError`` naming the
+Host-side functions (``doc_ids_from_cu_seqlens`` / ``doc_ids_from_seq_lens``,
+``segment_cu_seqlens``, ``packed_boundaries_from_seq_lens``, ``longest_document``,
+``validate_*``) may synchronise with the device and have data-dependent output shapes.
+``document_starts``, ``position_ids_from_doc_ids``, ``lengths_from_doc_ids``,
+``doc_ids_from_position_ids`` / ``doc_ids_from_seq_idx`` (transformers' packing formats) and
+``shift_labels_from_labels`` are compile-safe: no host sync, no data-dependent shapes.
+Nothing loops over documents or tokens in Python.  Every rejection is a ``ValueError`` naming the
 argument and the offending value (a wrong type is :class:`fcp.checks.ArgumentTypeError`,
 also a ``ValueError``: the rule of :mod:`fcp.checks`); verdicts depend only on the
 inputs, so CP ranks holding the same replicated metadata agree.
@@ -39,6 +40,7 @@ from fcp.checks import check_int, check_tensor
 __all__ = [
     "PAD_DOC_ID", "OUTSIDE_DOC_ID", "SEQ_LENS_SENTINEL", "doc_ids_window",
     "doc_ids_from_cu_seqlens", "doc_ids_from_seq_lens",
+    "doc_ids_from_position_ids", "doc_ids_from_seq_idx", "shift_labels_from_labels",
     "segment_cu_seqlens", "packed_boundaries_from_seq_lens",
     "document_starts", "position_ids_from_doc_ids", "lengths_from_doc_ids",
     "longest_document",
@@ -140,7 +142,9 @@ def _doc_ids_from_starts(starts: torch.Tensor, totals: torch.Tensor, seq_len: in
 # ---- host-side constructors --------------------------------------------------
 
 
-def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+def doc_ids_from_cu_seqlens(
+    cu_seqlens: torch.Tensor, seq_len: int, *, name: str = "cu_seqlens"
+) -> torch.Tensor:
     """Document-id map of one row from cumulative boundaries.
 
     Args:
@@ -148,6 +152,8 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Ten
             starting at 0, non-decreasing, last entry ``<= seq_len``.
             Positions at or past ``cu_seqlens[-1]`` are pad.
         seq_len: row length.
+        name: how messages name ``cu_seqlens`` (transformers' ``cu_seq_lens_q`` is the same
+            format).
 
     Returns:
         int64 ``[1, seq_len]``.
@@ -156,7 +162,6 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Ten
         ``doc_ids_from_cu_seqlens(tensor([0, 3, 5]), 7) -> [[1, 1, 1, 2, 2, 0, 0]]``;
         ``tensor([0, 3, 3, 5])`` gives the same map (zero-length doc dropped).
     """
-    name = "cu_seqlens"
     seq_len = _non_negative_int(seq_len, "seq_len")
     _require_tensor(cu_seqlens, name, integer=True)
     if cu_seqlens.dim() == 2 and cu_seqlens.shape[0] == 1:
@@ -206,6 +211,78 @@ def doc_ids_from_seq_lens(
     # Exclusive cumsum: every start (sentinel slots included) is <= seq_len.
     ends = lens.cumsum(dim=1)
     return _doc_ids_from_starts(ends - lens, lens.sum(dim=1), seq_len)
+
+
+def _doc_ids_from_start_flags(starts: torch.Tensor) -> torch.Tensor:
+    """Ids ``1, 2, ...`` from bool ``[batch, sequence]`` document starts (token 0 always starts)."""
+    starts = starts.clone()
+    starts[:, :1] = True
+    return starts.to(torch.int64).cumsum(dim=1)
+
+
+def _row_stream(t, name: str) -> torch.Tensor:
+    _require_tensor(t, name, integer=True)
+    if t.dim() != 2:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [batch, sequence]")
+    return t
+
+
+def doc_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document-id map of packed rows whose positions restart at every document.
+
+    A document starts at token 0 and wherever ``position_ids[b, t] != position_ids[b, t - 1] + 1``,
+    whatever value positions restart at (transformers' ``DataCollatorWithFlattening`` restarts
+    them at its ``position_ids_start``). Positions describe no pad tail: every token is in a
+    document (a mask or another source says where padding is). Compile-safe.
+
+    Args:
+        position_ids: integer ``[batch, sequence]``.
+
+    Returns:
+        int64 ``[batch, sequence]``.
+
+    Example: ``[[0, 1, 2, 0, 1, 7]] -> [[1, 1, 1, 2, 2, 3]]``
+    """
+    pos = _row_stream(position_ids, "position_ids").to(torch.int64)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    return _doc_ids_from_start_flags(starts)
+
+
+def doc_ids_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
+    """Document-id map from per-token document indices (Mamba2 kernels' and transformers'
+    ``seq_idx``): a document starts at token 0 and wherever the index changes. No pad tail, as
+    for :func:`doc_ids_from_position_ids`. Compile-safe.
+
+    Example: ``[[0, 0, 1, 1, 1, 4]] -> [[1, 1, 2, 2, 2, 3]]``
+    """
+    idx = _row_stream(seq_idx, "seq_idx")
+    return _doc_ids_from_start_flags(torch.cat([torch.ones_like(idx[:, :1], dtype=torch.bool),
+                                                idx[:, 1:] != idx[:, :-1]], dim=1))  # fmt: skip
+
+
+def shift_labels_from_labels(
+    labels: torch.Tensor, doc_ids: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """Next-token targets of unshifted labels (transformers' convention), document by document.
+
+    ``out[b, t] = labels[b, t + 1]`` when token ``t + 1`` is in the same run of ``doc_ids`` as
+    token ``t``, else ``ignore_index``: a document's last token predicts nothing (not the next
+    document's first token), nor does a row's last token. The pad tail is a run of its own.
+    Built over whole rows, so that sharding the result keeps every target, also the one of a
+    shard's last token. Compile-safe.
+
+    Args:
+        labels: integer ``[batch, sequence]``, unshifted (the target of token ``t`` is
+            ``labels[t + 1]``).
+        doc_ids: the rows' ``[batch, sequence]`` document map.
+
+    Example: labels ``[[5, 6, 7, 8, 9]]``, doc ids ``[[1, 1, 1, 2, 2]]``
+    ``-> [[6, 7, -100, 9, -100]]``
+    """
+    same = doc_ids[:, 1:] == doc_ids[:, :-1]
+    nxt = torch.where(same, labels[:, 1:], ignore_index)
+    return torch.cat([nxt, torch.full_like(labels[:, :1], ignore_index)], dim=1)
 
 
 def segment_cu_seqlens(doc_ids_row: torch.Tensor) -> torch.Tensor:

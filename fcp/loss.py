@@ -49,8 +49,9 @@ class GlobalMean(NamedTuple):
 def loss_token_count(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """int64 scalar: the tokens of ``labels`` (any shape) that carry a loss.
 
-    On labels from :func:`fcp.shard_batch` that is the real tokens only: every token outside a
-    document (doc id 0: the batch's pad tail and the CP padding) has label ``ignore_index``.
+    On the ``shift_labels`` of :func:`fcp.shard_batch` (the next-token targets) that is the real
+    targets only: every token outside a document (doc id 0: the batch's pad tail and the CP
+    padding) and every document's last token has target ``ignore_index``.
 
     >>> loss_token_count(torch.tensor([[5, 6, -100, -100]]))
     tensor(2)

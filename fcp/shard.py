@@ -6,47 +6,98 @@ every rank that holds it), checks that every CP rank holds the same batch (:clas
 one small exchange), pads, slices, and returns this rank's local batch and ``PackedContext`` for
 the compiled model. :func:`gather_sequence` is the inverse.
 
+Documents. The document map is read from every key that describes documents, in the formats of
+NeMo, flash-attention and transformers' ``DataCollatorWithFlattening``; when several are given
+they must describe the same documents, else a ``ValueError`` names two of them and the first
+``(row, token)`` where they differ (no source silently wins):
+
+* ``doc_ids`` ``[batch, seq]`` (1, 2, ... per row, 0 on the pad tail); ``cu_seqlens`` /
+  ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 or int64 cumulative lengths of one row, tokens
+  from the last entry on are padding); ``seq_lens`` ``[batch, documents]`` (``-1000`` marks
+  unused slots): documents and the pad tail.
+* ``position_ids`` ``[batch, seq]``: a document starts wherever ``position_ids[t] !=
+  position_ids[t - 1] + 1``, whatever they restart at (transformers' ``position_ids_start``);
+  ``seq_idx`` ``[batch, seq]`` (the document index of each token): a document starts where it
+  changes. Neither says where padding is; their values on a pad tail that another key describes
+  are free. Next to another source, positions must restart exactly at its document starts:
+  one ``arange`` over a row of several documents is refused (naming both keys), because a
+  document then reads positions it never has alone; drop ``position_ids`` and they are derived,
+  restarting at every document.
+* ``attention_mask`` / ``padding_mask``: binary right-tail masks, True/1 on real tokens (no
+  document starts): with no other source, one document per row.
+* ``max_length_q`` / ``max_length_k`` (ints or one-element tensors) must be the longest
+  document's length; ``seq_lens_padded`` and ``max_seqlen`` (NeMo's virtual layout) are read by
+  no one.
+
+Every one of these keys is consumed (the context carries the layout); the local batch keeps
+``position_ids`` (sharded, as given, else derived from the map) and the masks. A tensor of the
+row's ``[batch, seq]`` shape under a key :func:`shard_batch` does not know would reach every
+rank unsharded: it is refused (``ValueError`` naming it) unless ``extra_token_keys`` lists it.
+
+Labels follow transformers: ``labels`` are **unshifted** (the target of token ``t`` is
+``labels[t + 1]``), ``shift_labels`` are the next-token targets, aligned with the tokens.
+Shifting inside a CP shard would lose the target of each shard's last token (it sits on the next
+rank), so :func:`shard_batch` builds ``shift_labels`` from ``labels`` over the whole row before
+sharding: ``labels[t + 1]`` when token ``t + 1`` is in the same document as ``t``, else
+:data:`IGNORE_INDEX` (each document's last token; a document never predicts the next one's first
+token). The local batch carries ``shift_labels`` and never ``labels``. ``shift_labels`` given
+are sharded as given; given with ``labels``, the two must agree.
+
 Padding never trains: every token outside a document (doc id 0: the pad tail of a
-``cu_seqlens`` / ``seq_lens`` / mask row and the CP padding added here) gets the label
-``IGNORE_INDEX`` and loss mask 0, so :func:`fcp.loss.loss_token_count` counts real tokens only.
+``cu_seqlens`` / ``seq_lens`` / mask row and the CP padding added here) gets the target
+``IGNORE_INDEX`` and loss mask 0, so :func:`fcp.loss.loss_token_count` of ``shift_labels``
+counts real targets only.
 
 Ranks must agree: a data-loader bug that hands one CP rank another batch would otherwise corrupt
 every operator's output silently (same length) or fail inside a collective on some ranks only
 (different lengths). Before anything depends on it, the ranks exchange one fixed-size summary
 (rows, length, padded length, a 128-bit hash of the document map, whether the rank accepted its
-batch); if they differ, every rank raises the same ``ValueError`` naming the ranks and what
-differs (for maps, after a second exchange, the first differing position). A rank that rejects
-its batch still joins the exchange, so the others raise instead of waiting in a collective.
+batch) through the process group's store; if they differ, every rank raises the same
+``ValueError`` naming the ranks and what differs (for maps, after one all-gather, the first
+differing position). A rank that rejects its batch still joins the exchange, so the others raise
+instead of waiting in a collective; a rank that never joins (it passed ``cp_mesh=None`` or
+another group, or skipped the batch) makes the waiting ones raise a ``RuntimeError`` naming it
+after ``join_timeout`` seconds.
 
 Worked example (2 ranks, ``pad_multiple=1``)::
 
-    batch = {"input_ids": [[5, 6, 7, 8, 9]], "labels": [[6, 7, 8, 9, -100]],
+    batch = {"input_ids": [[5, 6, 7, 8, 9]], "labels": [[5, 6, 7, 8, 9]],
              "cu_seqlens": [0, 2, 5]}
-    padded to 6:  input_ids [[5, 6, 7, 8, 9, 0]], labels [[6, 7, 8, 9, -100, -100]]
-    doc_ids       [[1, 1, 2, 2, 2, 0]]
-    rank 0 local: input_ids [[5, 6, 7]], position_ids [[0, 1, 0]]
-    rank 1 local: input_ids [[8, 9, 0]], position_ids [[1, 2, 0]]
+    padded to 6:  input_ids    [[5, 6, 7, 8, 9, 0]]
+    doc_ids                    [[1, 1, 2, 2, 2, 0]]
+    shift_labels               [[6, -100, 8, 9, -100, -100]]   (built before sharding)
+    rank 0 local: input_ids [[5, 6, 7]], position_ids [[0, 1, 0]], shift_labels [[6, -100, 8]]
+    rank 1 local: input_ids [[8, 9, 0]], position_ids [[1, 2, 0]], shift_labels [[9, -100, -100]]
+
+Rank 0's last token (7) keeps its target 8, which lives on rank 1.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from fcp.checks import check_bool, check_instance, check_int, check_tensor
+from fcp.checks import check_bool, check_float, check_instance, check_int, check_tensor
 from fcp.comm import all_gather_sequence
 from fcp.context import PackedContext
 from fcp.groups import GroupInfo, resolve_group
 from fcp.layout import (
     PAD_DOC_ID,
     doc_ids_from_cu_seqlens,
+    doc_ids_from_position_ids,
+    doc_ids_from_seq_idx,
     doc_ids_from_seq_lens,
+    document_starts,
+    longest_document,
     position_ids_from_doc_ids,
+    shift_labels_from_labels,
     validate_doc_ids,
     validate_right_tail_mask,
 )
@@ -55,6 +106,7 @@ __all__ = [
     "BatchAgreement",
     "IGNORE_INDEX",
     "INTEGER_STREAMS",
+    "JOIN_TIMEOUT_S",
     "PACKING_KEYS",
     "TOKEN_KEYS",
     "check_stream",
@@ -69,24 +121,40 @@ __all__ = [
 IGNORE_INDEX = -100
 #: Token-aligned streams sharded along the sequence axis, with their pad values by meaning.
 #: ``None``: filled from ``padding_token_id``. Position ids pad with 0: pad tokens are never
-#: visible to real ones, and 0 keeps rotary tables in range.
+#: visible to real ones, and 0 keeps rotary tables in range. ``labels`` are validated and turned
+#: into ``shift_labels``, never sharded themselves.
 TOKEN_KEYS: dict[str, Any] = {
     "input_ids": None,
     "inputs_embeds": 0.0,
     "labels": IGNORE_INDEX,
+    "shift_labels": IGNORE_INDEX,
     "position_ids": 0,
     "loss_mask": 0,
     "attention_mask": False,
     "padding_mask": False,
     "token_type_ids": 0,
 }
-#: Packing metadata consumed into the document map (the context carries the layout afterwards).
-PACKING_KEYS = ("cu_seqlens", "seq_lens", "seq_lens_padded", "max_seqlen", "doc_ids")
+#: Keys that describe documents, consumed into the document map (the context carries the layout
+#: afterwards). ``position_ids`` describe documents too, but stay: the model reads them.
+PACKING_KEYS = ("doc_ids", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "seq_lens", "seq_idx",
+                "seq_lens_padded", "max_seqlen", "max_length_q", "max_length_k")
 _MASK_KEYS = ("attention_mask", "padding_mask")
+#: Sources of documents and their pad tail, in the order the message of a disagreement names them.
+_MAP_SOURCES = ("doc_ids", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "seq_lens")
+#: Sources of document starts only (no pad tail).
+_START_SOURCES = ("position_ids", "seq_idx")
+_CU_SOURCES = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
+_MAX_LENGTH_KEYS = ("max_length_q", "max_length_k")
 
+#: Token streams holding integers (ids, targets, positions, document indices).
+INTEGER_STREAMS = ("input_ids", "labels", "shift_labels", "position_ids", "token_type_ids",
+                   "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")  # fmt: skip
 
-#: Token streams holding integers (ids, labels, positions); ``inputs_embeds`` is floating.
-INTEGER_STREAMS = ("input_ids", "labels", "position_ids", "token_type_ids")
+#: Default ``join_timeout`` (seconds) of :class:`BatchAgreement` and :func:`shard_batch`: longer
+#: than the skew that rank-specific work between two steps causes (one rank writing a checkpoint
+#: or logging, start-up), much shorter than the collective timeouts a rank that never joins would
+#: otherwise cost (10 min on NCCL, 30 min on gloo by default).
+JOIN_TIMEOUT_S = 300.0
 
 
 def check_stream(key: str, t: Any, *, fn: str = "") -> torch.Tensor:
@@ -111,7 +179,8 @@ def normalize_batch_axis(batch: Mapping[str, Any]) -> dict[str, Any]:
     """Return a new batch whose token streams have a leading batch axis.
 
     THD collaters give ``[sequence]`` rows (``[sequence, hidden]`` for ``inputs_embeds``); they
-    become ``[1, sequence]`` (``[1, sequence, hidden]``). ``seq_lens`` keeps its own layout.
+    become ``[1, sequence]`` (``[1, sequence, hidden]``), ``seq_idx`` too. ``seq_lens`` keeps its
+    own layout.
     """
     primary = "input_ids" if batch.get("input_ids") is not None else "inputs_embeds"
     ref = batch.get(primary)
@@ -119,7 +188,7 @@ def normalize_batch_axis(batch: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(batch)
     if not flat:
         return out
-    for key in TOKEN_KEYS:
+    for key in (*TOKEN_KEYS, "seq_idx"):
         t = out.get(key)
         if isinstance(t, torch.Tensor):
             expect_flat = 2 if key == "inputs_embeds" else 1
@@ -131,55 +200,132 @@ def normalize_batch_axis(batch: Mapping[str, Any]) -> dict[str, Any]:
 def global_doc_ids_from_batch(batch: Mapping[str, Any], seq_len: int) -> torch.Tensor:
     """Resolve the int64 ``[batch, seq_len]`` document map before packing metadata is dropped.
 
-    Sources, in order: ``doc_ids`` (validated), ``cu_seqlens`` (one packed row), ``seq_lens``
-    (per-row real lengths, ``-1000`` marks unused slots; ``seq_lens_padded`` is virtual-layout
-    metadata and never used for physical offsets), a right-tail ``attention_mask`` /
-    ``padding_mask`` (one document per row), else one document per row covering it all.
+    Reads every source the module docstring lists (``doc_ids``, ``cu_seqlens``,
+    ``cu_seq_lens_q`` / ``_k``, ``seq_lens``, ``position_ids``, ``seq_idx``, a right-tail
+    ``attention_mask`` / ``padding_mask``) and checks that they describe the same documents
+    (``ValueError`` naming two keys and the first ``(row, token)`` where they differ) and that
+    ``max_length_q`` / ``max_length_k`` are the longest document's length. Without any source:
+    one document per row covering it all. ``seq_lens_padded`` is virtual-layout metadata and
+    never used for physical offsets.
     """
     primary = batch.get("input_ids")
     if primary is None:
         primary = batch["inputs_embeds"]
     n_rows, device = primary.shape[0], primary.device
     mask = _mask_of(batch, primary)
-    packed = batch.get("cu_seqlens") is not None or batch.get("seq_lens") is not None
-    if batch.get("doc_ids") is not None:
-        doc_ids = check_stream("doc_ids", batch["doc_ids"])
-        if doc_ids.dim() == 1:
-            doc_ids = doc_ids.unsqueeze(0)
-        if tuple(doc_ids.shape) != (n_rows, seq_len):
-            raise ValueError(
-                f"doc_ids has shape {tuple(doc_ids.shape)}, expected {(n_rows, seq_len)}"
-            )
-        validate_doc_ids(doc_ids)
-    elif batch.get("cu_seqlens") is not None:
+    maps: dict[str, torch.Tensor] = {}
+    for key in _MAP_SOURCES:
+        if batch.get(key) is not None:
+            maps[key] = _source_map(key, batch[key], n_rows, seq_len).to(device, torch.long)
+    # Start-only sources take their pad tail from the first full source, else from the mask.
+    valid = maps[next(iter(maps))] != PAD_DOC_ID if maps else mask
+    for key in _START_SOURCES:
+        if batch.get(key) is not None:
+            m = _source_map(key, batch[key], n_rows, seq_len).to(device)
+            maps[key] = m if valid is None else m.masked_fill(~valid.to(device), PAD_DOC_ID)
+    if maps:
+        ref = next(iter(maps))
+        doc_ids = maps[ref]
+        for key, m in maps.items():
+            if key != ref and not torch.equal(m, doc_ids):
+                raise ValueError(_disagreement(ref, doc_ids, key, m, m != doc_ids))
+        if mask is not None and not torch.equal(mask.to(device), doc_ids != PAD_DOC_ID):
+            key = next(k for k in _MASK_KEYS if batch.get(k) is not None)
+            mask = mask.to(device)
+            raise ValueError(_disagreement(ref, doc_ids, key, mask.long(),
+                                           mask != (doc_ids != PAD_DOC_ID)))  # fmt: skip
+    elif mask is not None:
+        ref, doc_ids = next(k for k in _MASK_KEYS if batch.get(k) is not None), mask.long()
+    else:
+        ref, doc_ids = None, torch.ones(n_rows, seq_len, dtype=torch.long, device=device)
+    _check_max_lengths(batch, doc_ids, ref)
+    return doc_ids
+
+
+def _source_map(key: str, value: Any, n_rows: int, seq_len: int) -> torch.Tensor:
+    """The ``[n_rows, seq_len]`` document map that one source describes (validated)."""
+    t = check_stream(key, value, fn="shard_batch")
+    if key == "doc_ids":
+        t = t.unsqueeze(0) if t.dim() == 1 else t
+        if tuple(t.shape) != (n_rows, seq_len):
+            raise ValueError(f"doc_ids has shape {tuple(t.shape)}, expected {(n_rows, seq_len)}")
+        validate_doc_ids(t)
+        return t
+    if key in _CU_SOURCES:
         if n_rows != 1:
             raise ValueError(
-                f"cu_seqlens describes one packed row, but the batch has {n_rows} rows; "
+                f"{key} describes one packed row, but the batch has {n_rows} rows; "
                 "use seq_lens [batch, documents] for packed batches with several rows"
             )
-        doc_ids = doc_ids_from_cu_seqlens(check_stream("cu_seqlens", batch["cu_seqlens"]), seq_len)
-    elif batch.get("seq_lens") is not None:
-        seq_lens = check_stream("seq_lens", batch["seq_lens"])
-        rows = 1 if seq_lens.dim() == 1 else seq_lens.shape[0]
+        return doc_ids_from_cu_seqlens(t, seq_len, name=key)
+    if key == "seq_lens":
+        rows = 1 if t.dim() == 1 else t.shape[0]
         if rows != n_rows:
             raise ValueError(
                 f"seq_lens has {rows} rows but input has batch {n_rows} "
-                f"(seq_lens shape {tuple(seq_lens.shape)})"
+                f"(seq_lens shape {tuple(t.shape)})"
             )
-        doc_ids = doc_ids_from_seq_lens(seq_lens, seq_len)
-    elif mask is not None:
-        doc_ids = mask.long()  # one document (id 1) per row, pad tail 0
+        return doc_ids_from_seq_lens(t, seq_len)
+    if tuple(t.shape) != (n_rows, seq_len):
+        raise ValueError(
+            f"shard_batch: {key} has shape {tuple(t.shape)}; to describe documents it must be "
+            f"[batch={n_rows}, sequence={seq_len}] like the tokens"
+        )
+    return doc_ids_from_position_ids(t) if key == "position_ids" else doc_ids_from_seq_idx(t)
+
+
+def _token_role(doc_ids: torch.Tensor, row: int, token: int) -> str:
+    if int(doc_ids[row, token]) == PAD_DOC_ID:
+        return "puts it in the padding"
+    if bool(document_starts(doc_ids[row : row + 1, : token + 1])[0, token]):
+        return "starts a document there"
+    return "continues the document of the token before"
+
+
+def _disagreement(ref: str, ref_map: torch.Tensor, key: str, key_map: torch.Tensor,
+                  differs: torch.Tensor) -> str:
+    """The message for two sources that differ (``differs``: where): both keys and the first
+    differing token.
+
+    Two maps that agree before a token can differ there only in whether it starts a document or
+    is padding, so naming each map's role for that token says what differs."""
+    row, token = (int(i) for i in differs.nonzero()[0])
+    if key in _MASK_KEYS:
+        theirs = "marks it as padding" if int(key_map[row, token]) == 0 else "marks it as valid"
     else:
-        doc_ids = torch.ones(n_rows, seq_len, dtype=torch.long)
-    doc_ids = doc_ids.to(device=device, dtype=torch.long)
-    if packed and mask is not None:
-        # A validity mask next to packing metadata must agree with it: valid == inside a document.
-        if not torch.equal(mask.to(device), doc_ids != PAD_DOC_ID):
+        theirs = _token_role(key_map, row, token)
+    hint = ""
+    if key == "position_ids":
+        hint = ("; position_ids must restart exactly where documents start (drop them and "
+                "shard_batch derives positions that restart at every document)")  # fmt: skip
+    return (
+        f"shard_batch: {key} disagrees with {ref} about the documents at row {row}, token "
+        f"{token}: {ref} {_token_role(ref_map, row, token)}, {key} {theirs}; every key that "
+        f"describes documents must describe the same ones{hint}"
+    )
+
+
+def _check_max_lengths(batch: Mapping[str, Any], doc_ids: torch.Tensor, ref: str | None) -> None:
+    keys = [k for k in _MAX_LENGTH_KEYS if batch.get(k) is not None]
+    if not keys:
+        return
+    longest = longest_document(doc_ids)
+    for key in keys:
+        value = batch[key]
+        if isinstance(value, torch.Tensor):
+            check_stream(key, value, fn="shard_batch")
+            if value.numel() != 1 or value.is_floating_point() or value.dtype == torch.bool:
+                raise ValueError(f"shard_batch: {key} must be an int or a one-element integer "
+                                 f"tensor, got a {value.dtype} tensor of shape "
+                                 f"{tuple(value.shape)}")  # fmt: skip
+            value = int(value.reshape(()))
+        value = check_int(value, key, fn="shard_batch")
+        if value != longest:
+            source = f"the documents of {ref}" if ref is not None else "one document per row"
             raise ValueError(
-                "attention_mask/padding_mask disagrees with the packing metadata: the mask must "
-                "be True exactly on the tokens covered by documents"
+                f"shard_batch: {key}={value} is not the length of the longest document: "
+                f"{source} give {longest} tokens"
             )
-    return doc_ids
 
 
 def _mask_of(batch: Mapping[str, Any], primary: torch.Tensor) -> torch.Tensor | None:
@@ -202,7 +348,6 @@ def _mask_of(batch: Mapping[str, Any], primary: torch.Tensor) -> torch.Tensor | 
     return normalised[0]
 
 
-
 class BatchAgreement:
     """Every CP rank joins exactly one fixed-size exchange per batch; disagreement raises.
 
@@ -216,23 +361,34 @@ class BatchAgreement:
 
     A rank whose validation raises joins the exchange on the way out (as "rejected") and its own
     error propagates; the ranks that accepted their batch then raise a ``ValueError`` naming it.
-    The exchange is one all-gather of 6 int64 per rank; only when the maps differ, a second
-    all-gather of the maps locates the first differing position. It runs on the group's device
-    whatever the batch's (CPU for gloo; on NCCL the current GPU, read back on the host: one
-    synchronisation per batch). ``enabled=False``, ``None`` or a one-rank group: no exchange
-    (the caller guarantees agreement). Eager only.
+
+    The exchange goes through the process group's store (the rendezvous store every
+    ``torch.distributed`` group has, whatever its backend): each rank writes its 48-byte summary
+    under a key of this round (a per-rank round counter on the store keeps rounds apart) and
+    waits at most ``join_timeout`` seconds for the others'. A rank that never joins (it passed
+    ``cp_mesh=None`` or another group, or skipped the batch) makes the waiting ranks raise a
+    ``RuntimeError`` naming it; rounds are then out of step on that group, which is not fit for
+    training any more. Five small store requests per rank and batch (no collective, no device
+    synchronisation; on a ``TCPStore`` the requests of every rank of the job go to one server).
+    Only when the maps differ, one all-gather of the maps on the group locates the first
+    differing position. ``enabled=False``, ``None``, a one-rank group or a ``fake`` one: no
+    exchange (the caller guarantees agreement). Eager only.
 
     Args:
         cp_mesh: the CP group (``None``, ``ProcessGroup``, 1-D ``DeviceMesh`` or ``GroupInfo``).
         fn: the sharder's name, for messages.
         enabled: whether to exchange at all.
+        join_timeout: seconds to wait for the other ranks (:data:`JOIN_TIMEOUT_S` by default).
     """
 
-    def __init__(self, cp_mesh: Any, fn: str, *, enabled: bool = True) -> None:
+    def __init__(self, cp_mesh: Any, fn: str, *, enabled: bool = True,
+                 join_timeout: float = JOIN_TIMEOUT_S) -> None:  # fmt: skip
         self.info: GroupInfo = resolve_group(cp_mesh)
         self.fn = fn
         enabled = check_bool(enabled, "check_agreement", fn=fn)
-        self._pending = enabled and self.info.group is not None
+        self.join_timeout = check_float(join_timeout, "join_timeout", fn=fn, positive=True)
+        group = self.info.group
+        self._pending = enabled and group is not None and str(dist.get_backend(group)) != "fake"
 
     def __enter__(self) -> "BatchAgreement":
         return self
@@ -240,12 +396,17 @@ class BatchAgreement:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self._pending and isinstance(exc, Exception):
             self._pending = False
-            self._gather(None)  # "rejected"; the exception propagates
+            try:
+                self._gather(None)  # "rejected"; the exception propagates
+            except RuntimeError as absent:  # this rank's own error still says what to fix
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(str(absent))
         return False
 
     def check(self, doc_ids: torch.Tensor, original_seq_len: int) -> None:
         """Raise ``ValueError`` on every rank unless all hold this ``[batch, padded]`` map and
-        ``original_seq_len`` (and all accepted their batch)."""
+        ``original_seq_len`` (and all accepted their batch); ``RuntimeError`` when some rank does
+        not join within ``join_timeout``."""
         if not self._pending:
             return
         self._pending = False
@@ -270,9 +431,47 @@ class BatchAgreement:
 
     def _gather(self, summary: list[int] | None) -> list[list[int]]:
         row = [1, 0, 0, 0, 0, 0] if summary is None else [0, *summary]
-        mine = torch.tensor([row], dtype=torch.int64, device=_exchange_device(self.info.group))
-        got = all_gather_sequence(mine, self.info, dim=0, differentiable=False, validate=False)
-        return got.cpu().tolist()
+        store = _store_of(self.info.group)
+        return _store_exchange(store, self.info, row, self.join_timeout, self.fn)
+
+
+_STORE_PREFIX = "fcp/batch_agreement"
+
+
+def _store_of(group: Any):
+    """The group's rendezvous store, which ``torch.distributed`` prefixes per group (so the
+    same keys on two groups never meet)."""
+    return dist.distributed_c10d._get_process_group_store(group)
+
+
+def _store_exchange(store, info: GroupInfo, row: list[int], timeout: float,
+                    fn: str) -> list[list[int]]:  # fmt: skip
+    """Every rank's ``row`` (6 int64), exchanged through ``store``; ``RuntimeError`` naming the
+    ranks that did not write theirs within ``timeout`` seconds."""
+    # Ranks run the same sequence of exchanges, so each rank's own count names the round; the
+    # count lives on the store, which outlives any Python object of a training loop.
+    n = store.add(f"{_STORE_PREFIX}/round/{info.rank}", 1)
+    keys = [f"{_STORE_PREFIX}/{n}/{r}" for r in range(info.size)]
+    store.set(keys[info.rank], struct.pack("<6q", *row))
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except RuntimeError as err:  # the store's timeout (DistStoreError is one)
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if missing:
+            ranks = [dist.get_global_rank(info.group, r) for r in missing]
+            raise RuntimeError(
+                f"{fn}: CP rank(s) {missing} (global rank(s) {ranks}) did not join the batch "
+                f"agreement within join_timeout={timeout:g} s while CP rank {info.rank} waited: "
+                f"every CP rank must call {fn} with the same CP group for every batch (a rank "
+                "that passes cp_mesh=None or another group, or skips the batch, leaves the "
+                "others waiting); this group's exchanges are out of step now"
+            ) from err
+    values = store.multi_get(keys)
+    if n > 1:
+        # Every rank has written its key of round n, which it does only after reading all of
+        # round n - 1: nobody reads this rank's round n - 1 key any more.
+        store.delete_key(f"{_STORE_PREFIX}/{n - 1}/{info.rank}")
+    return [list(struct.unpack("<6q", v)) for v in values]
 
 
 def _summary(doc_ids: torch.Tensor, original_seq_len: int) -> list[int]:
@@ -321,6 +520,7 @@ def shard_batch(
     extra_token_keys: tuple[str, ...] = (),
     ignore_padding: bool = True,
     check_agreement: bool = True,
+    join_timeout: float = JOIN_TIMEOUT_S,
 ) -> tuple[dict[str, Any], PackedContext]:
     """Validate, pad and contiguously shard a (packed) batch for this CP rank.
 
@@ -329,11 +529,17 @@ def shard_batch(
         batch: full-sequence batch, identical on every CP rank, never mutated. Token streams
             ``[batch, sequence]`` (``[sequence]`` rows from THD collaters are accepted):
             exactly one of ``input_ids`` (integer) / ``inputs_embeds`` (float
-            ``[batch, sequence, hidden]``); optional ``labels`` (integer), ``position_ids``,
-            ``loss_mask``, ``attention_mask`` / ``padding_mask`` (binary, right-tail, True/1 =
-            valid token), ``token_type_ids``; packing metadata (integer tensors) ``doc_ids`` /
-            ``cu_seqlens`` / ``seq_lens`` (+ ignored ``seq_lens_padded``). Other entries pass
-            through unchanged.
+            ``[batch, sequence, hidden]``); optional ``labels`` (integer, unshifted: the target
+            of token ``t`` is ``labels[t + 1]``, transformers' convention) and / or
+            ``shift_labels`` (integer next-token targets, aligned with the tokens),
+            ``position_ids``, ``loss_mask`` (sharded as given: align it with
+            ``shift_labels``), ``attention_mask`` / ``padding_mask`` (binary, right-tail,
+            True/1 = valid token), ``token_type_ids``; keys that describe documents (the module
+            docstring: ``doc_ids``, ``cu_seqlens``, ``cu_seq_lens_q`` / ``_k``,
+            ``max_length_q`` / ``_k``, ``seq_lens`` (+ ignored ``seq_lens_padded`` /
+            ``max_seqlen``), ``seq_idx``, ``position_ids``), which must agree. Other entries
+            pass through unchanged, except tensors of the tokens' ``[batch, sequence]`` shape
+            (they would reach every rank unsharded: list them in ``extra_token_keys``).
         loss_mask: optional ``[batch, sequence]`` loss mask, sharded into ``local["loss_mask"]``
             (overrides ``batch["loss_mask"]``).
         padding_token_id: input id appended for CP divisibility (an int).
@@ -348,28 +554,35 @@ def shard_batch(
             so the model can splice features into the full sequence first and then apply the
             differentiable ``context.shard(embeds)``; every other stream is still sharded.
         extra_token_keys: further ``[batch, sequence, ...]`` keys to shard (padded with 0).
-        ignore_padding: ``True`` (default): padding never trains: the ``labels`` of every token
-            outside a document (doc id 0, the batch's own pad tail included) become
+        ignore_padding: ``True`` (default): padding never trains: the ``shift_labels`` of every
+            token outside a document (doc id 0, the batch's own pad tail included) become
             :data:`IGNORE_INDEX` and its ``loss_mask`` 0. ``False`` keeps the given values on
             the pad tail (only the CP padding added here is ignored).
         check_agreement: ``True`` (default): before anything depends on it, every CP rank checks
             that all hold the same rows, length and document map (:class:`BatchAgreement`: one
-            all-gather of 6 int64 per rank). ``False`` for callers that guarantee it.
+            exchange of 48 bytes per rank through the group's store). ``False`` for callers
+            that guarantee it.
+        join_timeout: how long (seconds) this rank waits for the other CP ranks at that check
+            before it raises a ``RuntimeError`` naming the ranks that never came
+            (:data:`JOIN_TIMEOUT_S`, 5 min, by default).
 
     Returns:
-        ``(local_batch, context)``: a **new** dict with this rank's slices (packing metadata
-        removed, its layout lives in ``context``; ``position_ids`` added from the document map
-        when absent: positions restart at every document) and this rank's
-        :class:`~fcp.context.PackedContext`.
+        ``(local_batch, context)``: a **new** dict with this rank's slices (the keys that
+        describe documents removed, their layout lives in ``context``; ``labels`` replaced by
+        ``shift_labels``; ``position_ids`` added from the document map when absent: positions
+        restart at every document) and this rank's :class:`~fcp.context.PackedContext`.
 
     Raises:
         TypeError / ValueError naming the offending key or argument and its value (the same on
-        every rank holding the same batch); ``ValueError`` on every rank when the CP ranks hold
-        different batches (naming the ranks and the lengths or the first differing position) or
-        some of them rejected theirs. A batch of zero rows is rejected.
+        every rank holding the same batch): among them keys that describe different documents,
+        ``labels`` and ``shift_labels`` that disagree, an unknown ``[batch, sequence]`` tensor;
+        ``ValueError`` on every rank when the CP ranks hold different batches (naming the ranks
+        and the lengths or the first differing position) or some of them rejected theirs;
+        ``RuntimeError`` when some CP rank does not join the check within ``join_timeout``. A
+        batch of zero rows is rejected.
 
-    Padding (by meaning): input ids ``padding_token_id``, embeddings 0, labels -100, loss mask 0,
-    validity masks False, position ids 0, doc id 0.
+    Padding (by meaning): input ids ``padding_token_id``, embeddings 0, targets -100, loss mask
+    0, validity masks False, position ids 0, doc id 0.
 
     Row lengths: a compiled model specialises on the local length the first time; the second
     length it sees recompiles it once with a dynamic sequence dimension, and every later
@@ -378,19 +591,21 @@ def shard_batch(
     every row of up to 1024 tokens shares one graph, with ``"pow2"`` a row length ``n`` gets
     one of ``log2(n)`` graphs, at the price of computing the padding (at most 2x the tokens).
 
-    Example (one process; the pad tail of ``cu_seqlens`` ends in -100 labels)::
+    Example (one process; documents ``[0, 1]`` and ``[2, 3]``, then a pad tail)::
 
         >>> batch = {"input_ids": torch.arange(6)[None], "labels": torch.arange(6)[None],
         ...          "cu_seqlens": torch.tensor([0, 2, 4])}
-        >>> shard_batch(None, batch)[0]["labels"].tolist()
-        [[0, 1, 2, 3, -100, -100]]
+        >>> local, ctx = shard_batch(None, batch)
+        >>> local["shift_labels"].tolist(), "labels" in local
+        ([[1, -100, 3, -100, -100, -100]], False)
     """
-    with BatchAgreement(cp_mesh, "shard_batch", enabled=check_agreement) as agreement:
+    with BatchAgreement(cp_mesh, "shard_batch", enabled=check_agreement,
+                        join_timeout=join_timeout) as agreement:  # fmt: skip
         check_instance(batch, Mapping, "batch", fn="shard_batch")
         check_bool(ignore_padding, "ignore_padding", fn="shard_batch")
         work, keys, doc_ids = _validated(batch, loss_mask, padding_token_id, pad_multiple,
                                          pad_to, shard_primary, extra_token_keys,
-                                         agreement.info.size)  # fmt: skip
+                                         ignore_padding, agreement.info.size)  # fmt: skip
         seq_len = work[keys.primary].shape[1]
         agreement.check(doc_ids, seq_len)
     info = agreement.info
@@ -413,7 +628,7 @@ def shard_batch(
             continue
         if fill is None:
             fill = keys.padding_token_id
-        if ignore_padding and key in ("labels", "loss_mask"):
+        if ignore_padding and key in ("shift_labels", "loss_mask"):
             t = t.masked_fill(outside.to(t.device), fill)
         t = pad_sequence_dim(t, pad, fill)
         keep_full = key == keys.primary and not shard_primary
@@ -428,9 +643,11 @@ class _Keys(NamedTuple):
 
 
 def _validated(batch, loss_mask, padding_token_id, pad_multiple, pad_to, shard_primary,
-               extra_token_keys, cp_size: int) -> tuple[dict[str, Any], _Keys, torch.Tensor]:
-    """``(work, keys, doc_ids)``: the batch with a batch axis and ``loss_mask`` in place, its
-    token streams, and the validated document map padded for ``cp_size`` ranks."""
+               extra_token_keys, ignore_padding: bool,
+               cp_size: int) -> tuple[dict[str, Any], _Keys, torch.Tensor]:  # fmt: skip
+    """``(work, keys, doc_ids)``: the batch with a batch axis, ``loss_mask`` and
+    ``shift_labels`` in place (``labels`` gone), its token streams, and the validated document
+    map padded for ``cp_size`` ranks."""
     pad_multiple = check_int(pad_multiple, "pad_multiple", 1, fn="shard_batch")
     if pad_to is not None and not (isinstance(pad_to, str) and pad_to == "pow2"):
         if isinstance(pad_to, str):
@@ -439,6 +656,7 @@ def _validated(batch, loss_mask, padding_token_id, pad_multiple, pad_to, shard_p
         check_int(pad_to, "pad_to", 1, fn="shard_batch")
     padding_token_id = check_int(padding_token_id, "padding_token_id", -(2**63), fn="shard_batch")
     check_bool(shard_primary, "shard_primary", fn="shard_batch")
+    check_instance(extra_token_keys, (tuple, list), "extra_token_keys", fn="shard_batch")
     has_ids = batch.get("input_ids") is not None
     has_embeds = batch.get("inputs_embeds") is not None
     if has_ids == has_embeds:
@@ -477,11 +695,55 @@ def _validated(batch, loss_mask, padding_token_id, pad_multiple, pad_to, shard_p
                 f"{key} has shape {tuple(t.shape)}, expected [batch={n_rows}, "
                 f"sequence={seq_len}, ...] like {primary_key}"
             )
+    flat = batch[primary_key].dim() < primary.dim()
+    for key, t in work.items():
+        if key in token_keys or key in PACKING_KEYS or not isinstance(t, torch.Tensor):
+            continue
+        if tuple(t.shape[:2]) == (n_rows, seq_len) or (flat and tuple(t.shape[:1]) == (seq_len,)):
+            raise ValueError(
+                f"shard_batch: {key} is a tensor of shape {tuple(t.shape)}, laid out like the "
+                f"tokens ({primary_key} {tuple(batch[primary_key].shape)}), but not a key "
+                f"shard_batch knows: it would reach every CP rank whole, not this rank's tokens; "
+                f"pass extra_token_keys=({key!r},) to shard it (padded with 0), or take it out "
+                "of the batch"
+            )
 
     doc_ids = global_doc_ids_from_batch(work, seq_len)
+    if work.get("labels") is not None:
+        _shift_labels_into(work, doc_ids, ignore_padding)
     padded_len = padded_length(seq_len, cp_size * pad_multiple, pad_to)
     doc_ids = pad_sequence_dim(doc_ids, padded_len - seq_len, PAD_DOC_ID)
     return work, _Keys(primary_key, token_keys, padding_token_id), doc_ids
+
+
+def _shift_labels_into(work: dict[str, Any], doc_ids: torch.Tensor, ignore_padding: bool) -> None:
+    """Replace ``work["labels"]`` (unshifted) by the row's next-token ``shift_labels``; given
+    ``shift_labels`` must be the same targets (wherever they train: on real tokens only when
+    ``ignore_padding``)."""
+    labels = work.pop("labels")
+    doc_ids = doc_ids.to(labels.device)
+    built = shift_labels_from_labels(labels, doc_ids, IGNORE_INDEX)
+    given = work.get("shift_labels")
+    if given is None:
+        work["shift_labels"] = built
+        return
+    differs = built != given.to(built.device)
+    if ignore_padding:
+        differs &= doc_ids != PAD_DOC_ID
+    if bool(differs.any()):
+        row, t = (int(i) for i in differs.nonzero()[0])
+        seq_len = labels.shape[1]
+        if int(built[row, t]) != IGNORE_INDEX:
+            why = f"labels[{row}, {t + 1}]"
+        elif t + 1 == seq_len:
+            why = "-100: the row's last token predicts nothing"
+        else:
+            why = "-100: the next token is in another document"
+        raise ValueError(
+            f"shard_batch: labels and shift_labels disagree at row {row}, token {t}: "
+            f"shift_labels[{row}, {t}] = {int(given[row, t])}, but the next-token target of the "
+            f"unshifted labels is {int(built[row, t])} ({why}); pass one of them"
+        )
 
 
 def padded_length(seq_len: int, multiple: int, pad_to: int | str | None = None) -> int:

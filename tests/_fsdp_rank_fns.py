@@ -56,11 +56,11 @@ def fsdp_train(env, model_fn, batches, dp: int, cp: int, lr: float, checkpoint=N
         local, ctx = fcp.shard_batch(mesh["cp"], rows, pad_multiple=model.pad_multiple)
         logits = model(local["input_ids"], ctx)
         loss_sum = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1).float(), local["labels"].flatten(), reduction="sum"
+            logits.flatten(0, 1).float(), local["shift_labels"].flatten(), reduction="sum"
         )
-        loss = global_token_mean(loss_sum, loss_token_count(local["labels"]), flat,
+        loss = global_token_mean(loss_sum, loss_token_count(local["shift_labels"]), flat,
                                  gradient_divide_factor=flat.size())  # fmt: skip
-        loss.backward.backward()
+        loss.objective.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.value))
@@ -96,9 +96,9 @@ def single_process_train(model_fn, batches, lr: float):
         local, ctx = fcp.shard_batch(None, batch, pad_multiple=model.pad_multiple)
         logits = model(local["input_ids"], ctx)
         loss_sum = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1).float(), local["labels"].flatten(), reduction="sum"
+            logits.flatten(0, 1).float(), local["shift_labels"].flatten(), reduction="sum"
         )
-        loss = loss_sum / loss_token_count(local["labels"]).clamp(min=1)
+        loss = loss_sum / loss_token_count(local["shift_labels"]).clamp(min=1)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -111,5 +111,5 @@ def global_mean_on_ranks(env):
     tokens = [1, 2, 4][env.rank]
     loss_sum = torch.tensor(float(2 * env.rank), requires_grad=True)
     out = global_token_mean(loss_sum, tokens, env.group, gradient_divide_factor=3)
-    out.backward.backward()
+    out.objective.backward()
     return float(out.value), float(out.tokens), float(loss_sum.grad)

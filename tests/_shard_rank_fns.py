@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from fcp.shard import gather_sequence, shard_batch
@@ -52,7 +54,7 @@ def primary_kept_full(env, batch: dict):
     embeds = torch.nn.functional.one_hot(local["input_ids"], 8).float().requires_grad_()
     sliced = ctx.shard(embeds)
     sliced.sum().backward()
-    return local["input_ids"].shape, local["labels"], sliced.detach(), embeds.grad
+    return local["input_ids"].shape, local["shift_labels"], sliced.detach(), embeds.grad
 
 
 def shard_with(sharder: str, group, batch: dict, kwargs: dict):
@@ -77,12 +79,36 @@ def shard_own_batch(env, batches: list, sharder: str, kwargs: dict):
 
 
 def local_labels(env, batch: dict, sharder: str):
-    """This rank's labels and loss mask after sharding ``batch`` with ``sharder``."""
+    """This rank's next-token targets and loss mask after sharding ``batch`` with ``sharder``
+    (fcp's ``shift_labels``, NeMo's ``labels``)."""
     from fcp.models.glm5_next.cp import shard_batch_for_glm5_next_cp
 
     if sharder == "fcp":
         local, _ = shard_batch(env.group, batch)
-    else:
-        _, local, _ = shard_batch_for_glm5_next_cp(env.group, None, dict(batch),
-                                                   loss_mask=batch["loss_mask"])  # fmt: skip
+        return local["shift_labels"], local["loss_mask"]
+    _, local, _ = shard_batch_for_glm5_next_cp(env.group, None, dict(batch),
+                                               loss_mask=batch["loss_mask"])  # fmt: skip
     return local["labels"], local["loss_mask"]
+
+
+def shard_variants(env, batches: list, pad_multiple: int = 1):
+    """``(local batch, global doc map, local doc map)`` of each of ``batches`` on this rank."""
+    out = []
+    for batch in batches:
+        local, ctx = shard_batch(env.group, batch, pad_multiple=pad_multiple)
+        out.append((local, ctx.doc_ids, ctx.local_doc_ids))
+    return out
+
+
+def mixed_group_kinds(env, with_group: list, join_timeout: float):
+    """Ranks in ``with_group`` pass the CP group, the others ``None``: seconds until this rank's
+    ``shard_batch`` returned, or its ``RuntimeError`` with the seconds appended (re-raised, so
+    that the pool rebuilds the groups: the store's rounds are out of step afterwards)."""
+    group = env.group if env.rank in with_group else None
+    t0 = time.perf_counter()
+    try:
+        shard_batch(group, {"input_ids": torch.ones(1, 8, dtype=torch.long)},
+                    join_timeout=join_timeout)  # fmt: skip
+    except RuntimeError as err:
+        raise RuntimeError(f"{err} [after {time.perf_counter() - t0:.3f} s]") from None
+    return time.perf_counter() - t0

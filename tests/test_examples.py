@@ -67,7 +67,7 @@ def test_packed_documents_are_valid_real_text():
     assert all(str(p).startswith(stdlib) for p in stdlib_source_files()[:5])
     n_docs = set()
     for batch in batches:
-        ids, labels, seq_lens = batch["input_ids"], batch["labels"], batch["seq_lens"]
+        ids, labels, seq_lens = batch["input_ids"], batch["shift_labels"], batch["seq_lens"]
         assert ids.shape == labels.shape == (2, seq_len) and ids.dtype == torch.long
         assert int(ids.min()) >= 0 and int(ids.max()) <= 255
         doc_ids = fcp.doc_ids_from_seq_lens(seq_lens, seq_len)
@@ -226,3 +226,23 @@ def test_demo_qwen4_exp_trains_like_one_process(rank_pool, tmp_path):
     assert s["graphs_compiled"] == 4 and s["recompiles"] == 0 and s["graph_breaks"] == 0, s
     report = write_report(outs[0], DemoOptions(**QWEN4), tmp_path, wall_s=1.0)
     assert "qwen4_exp" in report.read_text() and (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_demo_report_without_matplotlib_skips_the_plot(tmp_path, monkeypatch, capsys):
+    """A finished training without matplotlib still writes its report (and the demo its final
+    parity line): the plot is skipped with a note, an earlier run's plot removed."""
+    import sys
+
+    from examples.demo import write_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    (tmp_path / "curves.png").write_bytes(b"an earlier run's plot")
+    recs = [{"step": s, "loss_cp": 5.0 - s, "loss_ref": 5.0 - s, "rel_diff": 0.0,
+             "time_cp_s": 1.0, "tokens": 64, "tokens_per_s": 64.0, "op_bytes": None,
+             "collectives": None, "fsdp_bytes": 0, "graphs": 1} for s in (1, 2)]  # fmt: skip
+    summary = {"model": "glm5-hf", "layers": ["kda"], "params": 1, "dp": 1, "cp": 2,
+               "graphs_compiled": 1, "recompiles": 0, "graph_breaks": 0}  # fmt: skip
+    report = write_report({"records": recs, "summary": summary}, DemoOptions(), tmp_path, 1.0)
+    assert "no plot: matplotlib is not installed" in report.read_text()
+    assert not (tmp_path / "curves.png").exists() and (tmp_path / "steps.csv").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().out

@@ -33,10 +33,10 @@ def make_batches(steps: int = 3) -> list[dict]:
                              [3, 1, 20, -1000], [12, -1000, -1000, -1000]])  # fmt: skip
         doc_ids = doc_ids_from_seq_lens(lens, SEQ)
         ids = torch.randint(1, 256, (4, SEQ), generator=gen)
-        labels = torch.where(doc_ids > 0, torch.roll(ids, -1, 1), -100)
-        labels[:, -1] = -100
+        targets = torch.where(doc_ids > 0, torch.roll(ids, -1, 1), -100)  # aligned: next token
+        targets[:, -1] = -100
         ids = torch.where(doc_ids > 0, ids, 0)
-        batches.append({"input_ids": ids, "labels": labels, "seq_lens": lens})
+        batches.append({"input_ids": ids, "shift_labels": targets, "seq_lens": lens})
     return batches
 
 
@@ -60,7 +60,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_packings_hold_different_token_counts_and_a_padding_only_rank():
     batch = make_batches(1)[0]
-    counts = (batch["labels"] != -100).view(4, 2, SEQ // 2).sum(-1)  # [row, cp rank]
+    counts = (batch["shift_labels"] != -100).view(4, 2, SEQ // 2).sum(-1)  # [row, cp rank]
     assert len(set(counts.flatten().tolist())) > 4
     # dp replica 1 holds rows 1 and 3; its CP rank 1 holds tokens 16..31 of both: no labels
     assert counts[1, 1] == 0 and counts[3, 1] == 0
@@ -107,10 +107,10 @@ def test_global_token_mean_single_process_is_the_plain_mean():
     loss_sum = torch.tensor(6.0, requires_grad=True)
     out = global_token_mean(loss_sum, torch.tensor(4), None)
     assert float(out.value) == 1.5 and float(out.tokens) == 4
-    out.backward.backward()
+    out.objective.backward()
     assert float(loss_sum.grad) == 0.25
     empty = global_token_mean(torch.tensor(0.0), 0, None, gradient_divide_factor=3)
-    assert float(empty.value) == 0.0 and float(empty.backward) == 0.0  # no NaN for no tokens
+    assert float(empty.value) == 0.0 and float(empty.objective) == 0.0  # no NaN for no tokens
     with pytest.raises(ValueError, match="gradient_divide_factor"):
         global_token_mean(loss_sum, 4, None, gradient_divide_factor=0)
     assert int(loss_token_count(torch.tensor([[1, -100, 3]]))) == 2

@@ -65,16 +65,17 @@ def test_bucket_padding_never_trains_and_changes_no_real_token():
     """The block's outputs and input gradients on the real tokens are bitwise the same with and
     without a bucket; the bucket's tokens get label -100 and loss mask 0."""
     x, w, doc_ids = fns.row(37, seed=3)
-    labels = torch.arange(37)[None]
+    targets = torch.arange(37)[None]
     results = []
     for pad_to in (None, 64, "pow2"):
-        batch = {"inputs_embeds": x, "doc_ids": doc_ids, "labels": labels,
+        batch = {"inputs_embeds": x, "doc_ids": doc_ids, "shift_labels": targets,
                  "loss_mask": torch.ones(1, 37)}  # fmt: skip
         local, ctx = fcp.shard_batch(None, batch, pad_to=pad_to)
         if pad_to is not None:
             assert ctx.global_seq_len == 64
-            assert (local["labels"][0, 37:] == -100).all() and local["loss_mask"][0, 37:].eq(0).all()
-            assert fcp.loss.loss_token_count(local["labels"]) == 37
+            assert (local["shift_labels"][0, 37:] == -100).all()
+            assert local["loss_mask"][0, 37:].eq(0).all()
+            assert fcp.loss.loss_token_count(local["shift_labels"]) == 37
         xs = local["inputs_embeds"].clone().requires_grad_()
         out = fns.block(xs, w, ctx)
         (out[:, :37] * torch.linspace(-1, 1, 37)[None, :, None]).sum().backward()

@@ -1,4 +1,5 @@
-"""Unit tests of fcp.shard_batch: the worked example, padding by meaning, validation, THD rows."""
+"""Unit tests of fcp.shard_batch: the worked example, padding by meaning, validation, THD rows,
+transformers' packing formats and label convention, and ranks that never join the check."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from tests import _shard_rank_fns as fns
 
 def test_worked_example_single_process():
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
-             "labels": torch.tensor([[6, 7, 8, 9, -100]]),
+             "labels": torch.tensor([[5, 6, 7, 8, 9]]),
              "cu_seqlens": torch.tensor([0, 2, 5])}
     before = copy.deepcopy(batch)
     local, ctx = shard_batch(None, batch, pad_multiple=3)
     assert torch.equal(local["input_ids"], torch.tensor([[5, 6, 7, 8, 9, 0]]))
-    assert torch.equal(local["labels"], torch.tensor([[6, 7, 8, 9, -100, -100]]))
+    # transformers' unshifted labels become next-token targets of the same document
+    assert torch.equal(local["shift_labels"], torch.tensor([[6, -100, 8, 9, -100, -100]]))
+    assert "labels" not in local
     assert torch.equal(local["position_ids"], torch.tensor([[0, 1, 0, 1, 2, 0]]))
     assert torch.equal(ctx.doc_ids, torch.tensor([[1, 1, 2, 2, 2, 0]]))
     assert not ctx.cp_enabled and ctx.original_seq_len == 5 and ctx.local_seq_len == 6
@@ -30,9 +33,12 @@ def test_worked_example_single_process():
 
 def test_worked_example_two_ranks(rank_pool):
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
-             "labels": torch.tensor([[6, 7, 8, 9, -100]]),
+             "labels": torch.tensor([[5, 6, 7, 8, 9]]),
              "cu_seqlens": torch.tensor([0, 2, 5])}
     r0, r1 = rank_pool.run(fns.shard_and_gather, 2, batch, 1, False)
+    # rank 0's last token (7) keeps its target 8, which lives on rank 1
+    assert torch.equal(r0["local"]["shift_labels"], torch.tensor([[6, -100, 8]]))
+    assert torch.equal(r1["local"]["shift_labels"], torch.tensor([[9, -100, -100]]))
     assert torch.equal(r0["local"]["input_ids"], torch.tensor([[5, 6, 7]]))
     assert torch.equal(r1["local"]["input_ids"], torch.tensor([[8, 9, 0]]))
     assert torch.equal(r0["local"]["position_ids"], torch.tensor([[0, 1, 0]]))
@@ -46,8 +52,9 @@ def test_thd_rows_get_a_batch_axis_and_embeddings_pad_with_zeros():
     local, ctx = shard_batch(None, batch, pad_multiple=4)
     assert local["inputs_embeds"].shape == (1, 8, 3)
     assert torch.equal(local["inputs_embeds"][0, 5:], torch.zeros(3, 3))
-    # the mask's pad tail (tokens 3, 4) trains no more than the CP padding
-    assert torch.equal(local["labels"], torch.tensor([[0, 1, 2, -100, -100, -100, -100, -100]]))
+    # the mask's pad tail (tokens 3, 4) trains no more than the CP padding; the document's last
+    # token (2) predicts nothing
+    assert local["shift_labels"].tolist() == [[1, 2, -100, -100, -100, -100, -100, -100]]
     assert local["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]]
     assert ctx.doc_ids.tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]]  # mask -> one doc + pad tail
 
@@ -231,6 +238,7 @@ def test_agreement_check_can_be_skipped(rank_pool):
 def test_pad_tail_labels_and_loss_mask_are_ignored(rank_pool, world):
     """44 real tokens in a 48-token row: 44 loss tokens (the pad tail's labels were counted)."""
     batch = dict(packed([20, 24], 48), loss_mask=torch.ones(1, 48, dtype=torch.long))
+    batch["shift_labels"] = batch.pop("labels")  # aligned targets, sharded as given
     res = rank_pool.run(fns.local_labels, world, batch, "fcp", timeout=10)
     labels = torch.cat([r[0] for r in res], 1)
     loss_mask = torch.cat([r[1] for r in res], 1)
@@ -241,11 +249,19 @@ def test_pad_tail_labels_and_loss_mask_are_ignored(rank_pool, world):
 
 def test_pad_tail_labels_of_seq_lens_rows_are_ignored_unless_asked():
     ones = torch.ones(2, 5, dtype=torch.long)
-    batch = {"input_ids": ones, "labels": ones, "seq_lens": torch.tensor([[2, 1], [4, -1000]])}
-    assert shard_batch(None, batch)[0]["labels"].tolist() == [[1, 1, 1, -100, -100],
-                                                             [1, 1, 1, 1, -100]]
-    kept = shard_batch(None, batch, ignore_padding=False, pad_multiple=2)[0]["labels"]
+    batch = {"input_ids": ones, "shift_labels": ones,
+             "seq_lens": torch.tensor([[2, 1], [4, -1000]])}  # fmt: skip
+    assert shard_batch(None, batch)[0]["shift_labels"].tolist() == [[1, 1, 1, -100, -100],
+                                                                   [1, 1, 1, 1, -100]]
+    kept = shard_batch(None, batch, ignore_padding=False, pad_multiple=2)[0]["shift_labels"]
     assert kept.tolist() == [[1] * 5 + [-100], [1] * 5 + [-100]]  # only the CP padding
+    # built from labels: the pad tail is a run of its own, whose targets stay when asked
+    ids = torch.arange(1, 6).repeat(2, 1)
+    batch = {"input_ids": ids, "labels": ids, "seq_lens": torch.tensor([[2, 1], [4, -1000]])}
+    assert shard_batch(None, batch)[0]["shift_labels"].tolist() == [[2, -100, -100, -100, -100],
+                                                                   [2, 3, 4, -100, -100]]
+    kept = shard_batch(None, batch, ignore_padding=False)[0]["shift_labels"]
+    assert kept.tolist() == [[2, -100, -100, 5, -100], [2, 3, 4, -100, -100]]
 
 
 def test_seed_sharders_keep_nemos_labels_on_the_pad_tail(rank_pool):
@@ -292,3 +308,204 @@ def test_the_three_sharders_reject_the_same_bad_inputs_naming_them(sharder, case
     got = fns.shard_with(sharder, None, batch, {})
     assert got[0] == kind and words in got[1], got
 
+
+
+# ------------------------------------------------------------------ transformers' packing formats
+FEATURES = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]  # four documents
+FLAT_DOC_IDS = torch.tensor([[1, 1, 1, 2, 2, 3, 3, 3, 3, 4]])
+
+
+def collated(**kwargs) -> dict:
+    from transformers import DataCollatorWithFlattening
+
+    return DataCollatorWithFlattening(**kwargs)([{"input_ids": f} for f in FEATURES])
+
+
+COLLATOR_KWARGS = [{}, {"return_flash_attn_kwargs": True}, {"return_seq_idx": True},
+                   {"return_flash_attn_kwargs": True, "return_seq_idx": True},
+                   {"return_flash_attn_kwargs": True, "position_ids_start": 2}]  # fmt: skip
+
+
+@pytest.mark.parametrize("kwargs", COLLATOR_KWARGS, ids=str)
+def test_data_collator_with_flattening_gives_the_documents_of_doc_ids(kwargs):
+    """transformers' collator output straight into shard_batch: its documents, not one per row
+    (they used to pass through unread), and the same local batch as doc_ids with HF labels."""
+    batch = collated(**kwargs)
+    local, ctx = shard_batch(None, batch, pad_multiple=4)
+    assert ctx.doc_ids[:, :10].tolist() == FLAT_DOC_IDS.tolist()
+    assert sorted(local) == ["input_ids", "position_ids", "shift_labels"]  # every key consumed
+    ids = batch["input_ids"]
+    ref, ref_ctx = shard_batch(None, {"input_ids": ids, "labels": ids, "doc_ids": FLAT_DOC_IDS},
+                               pad_multiple=4)  # fmt: skip
+    assert torch.equal(ctx.doc_ids, ref_ctx.doc_ids)
+    assert torch.equal(local["input_ids"], ref["input_ids"])
+    assert local["shift_labels"].tolist() == [[6, 7, -100, 9, -100, 11, 12, 13, -100, -100,
+                                               -100, -100]]  # fmt: skip
+    assert torch.equal(local["shift_labels"], ref["shift_labels"])
+    start = kwargs.get("position_ids_start", 0)
+    assert torch.equal(local["position_ids"][:, :10], ref["position_ids"][:, :10] + start)
+
+
+def test_data_collator_batch_shards_over_two_ranks_like_doc_ids(rank_pool):
+    batch = collated(return_flash_attn_kwargs=True, return_seq_idx=True)
+    ids = batch["input_ids"]
+    ref = {"input_ids": ids, "labels": ids, "doc_ids": FLAT_DOC_IDS}
+    got, want = zip(*rank_pool.run(fns.shard_variants, 2, [batch, ref], 2))
+    for (local, doc_ids, _), (ref_local, ref_doc_ids, _) in zip(got, want):
+        assert torch.equal(doc_ids, ref_doc_ids) and local.keys() == ref_local.keys()
+        assert all(torch.equal(local[k], ref_local[k]) for k in local)
+
+
+def test_position_ids_alone_describe_documents_and_a_mask_the_pad_tail():
+    pos = torch.tensor([[3, 4, 5, 3, 4, 9, 7, 7]])  # restarts at 3, 5 (9 is no +1) and 6, 7
+    local, ctx = shard_batch(None, {"input_ids": torch.ones(1, 8, dtype=torch.long),
+                                    "position_ids": pos,
+                                    "attention_mask": torch.tensor([[1] * 6 + [0] * 2])})
+    assert ctx.doc_ids.tolist() == [[1, 1, 1, 2, 2, 3, 0, 0]]
+    assert torch.equal(local["position_ids"], pos)  # the model reads them as given
+
+
+IDS5 = torch.arange(1, 6)[None]
+CU = torch.tensor([0, 2, 5])
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"cu_seqlens": CU, "position_ids": torch.arange(5)[None]},
+         ("position_ids disagrees with cu_seqlens", "row 0, token 2",
+          "cu_seqlens starts a document there", "position_ids continues", "restart")),
+        ({"cu_seqlens": CU, "position_ids": torch.tensor([[0, 1, 0, 1, 0]])},
+         ("position_ids disagrees with cu_seqlens", "row 0, token 4",
+          "position_ids starts a document there")),
+        ({"cu_seq_lens_q": CU, "cu_seq_lens_k": torch.tensor([0, 3, 5], dtype=torch.int32)},
+         ("cu_seq_lens_k disagrees with cu_seq_lens_q", "row 0, token 2")),
+        ({"doc_ids": torch.tensor([[1, 1, 1, 2, 2]]), "seq_idx": torch.tensor([[0, 0, 1, 1, 1]])},
+         ("seq_idx disagrees with doc_ids", "row 0, token 2")),
+        ({"cu_seqlens": CU, "seq_lens": torch.tensor([[2, 2]])},
+         ("seq_lens disagrees with cu_seqlens", "row 0, token 4", "puts it in the padding")),
+        ({"cu_seqlens": torch.tensor([0, 2, 4]), "attention_mask": torch.ones(1, 5)},
+         ("attention_mask disagrees with cu_seqlens", "row 0, token 4", "marks it as valid")),
+        ({"doc_ids": torch.tensor([[1, 1, 2, 0, 0]]), "padding_mask": torch.ones(1, 5)},
+         ("padding_mask disagrees with doc_ids", "row 0, token 3")),
+        ({"position_ids": torch.tensor([[0, 1, 0, 1, 2]]), "seq_idx": torch.tensor([[0] * 5])},
+         ("seq_idx disagrees with position_ids", "row 0, token 2")),
+        ({"cu_seqlens": CU, "max_length_q": 2}, ("max_length_q=2", "3 tokens", "cu_seqlens")),
+        ({"position_ids": torch.tensor([[0, 1, 0, 1, 2]]), "max_length_k": torch.tensor(2)},
+         ("max_length_k=2", "3 tokens")),
+        ({"cu_seq_lens_q": torch.tensor([[0, 2], [0, 3]])}, ("cu_seq_lens_q",)),
+        ({"seq_idx": torch.zeros(1, 4, dtype=torch.int32)}, ("seq_idx", "(1, 4)")),
+        ({"max_length_q": torch.tensor([2, 3])}, ("max_length_q", "one-element")),
+    ],
+)
+def test_keys_describing_different_documents_raise_naming_both_and_the_token(extra, words):
+    with pytest.raises(ValueError) as err:
+        shard_batch(None, {"input_ids": IDS5, **extra})
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_agreeing_sources_are_all_consumed():
+    batch = {"input_ids": IDS5, "cu_seqlens": CU, "cu_seq_lens_q": CU.int(),
+             "cu_seq_lens_k": CU.int(), "max_length_q": 3, "max_length_k": torch.tensor(3),
+             "doc_ids": torch.tensor([[1, 1, 2, 2, 2]]), "seq_idx": torch.tensor([[4, 4, 0, 0, 0]]),
+             "position_ids": torch.tensor([[0, 1, 0, 1, 2]]), "seq_lens": torch.tensor([[2, 3]]),
+             "max_seqlen": 3, "seq_lens_padded": torch.tensor([[2, 3]])}  # fmt: skip
+    local, ctx = shard_batch(None, batch)
+    assert ctx.doc_ids.tolist() == [[1, 1, 2, 2, 2]]
+    assert sorted(local) == ["input_ids", "position_ids"]
+
+
+# ------------------------------------------------------------------ labels and shift_labels
+def test_shift_labels_keep_the_target_across_a_shard_boundary(rank_pool):
+    """One 6-token document on 2 ranks: rank 0's last token predicts rank 1's first token.
+    Shifting inside each shard (what a model shifting HF labels does) loses it."""
+    ids = torch.tensor([[11, 12, 13, 14, 15, 16]])
+    r0, r1 = rank_pool.run(fns.shard_and_gather, 2, {"input_ids": ids, "labels": ids}, 1, False)
+    assert r0["local"]["shift_labels"].tolist() == [[12, 13, 14]]  # 14 lives on rank 1
+    assert r1["local"]["shift_labels"].tolist() == [[15, 16, -100]]
+    assert "labels" not in r0["local"] and "labels" not in r1["local"]
+    assert r0["gathered"]["shift_labels"].tolist() == [[12, 13, 14, 15, 16, -100]]
+
+
+def test_given_shift_labels_are_sharded_as_given_and_may_accompany_agreeing_labels():
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    shift = torch.tensor([[6, -100, 8, 9, -100]])
+    for batch in ({"shift_labels": shift}, {"shift_labels": shift, "labels": ids}):
+        local, _ = shard_batch(None, {"input_ids": ids, "cu_seqlens": CU, **batch},
+                               pad_multiple=2)  # fmt: skip
+        assert local["shift_labels"].tolist() == [[6, -100, 8, 9, -100, -100]]
+        assert "labels" not in local
+
+
+@pytest.mark.parametrize(
+    "shift, words",
+    [
+        (torch.tensor([[6, 7, 8, 9, -100]]), ("row 0, token 1", "shift_labels[0, 1] = 7",
+                                              "another document")),
+        (torch.tensor([[6, -100, 8, 8, -100]]), ("row 0, token 3", "labels[0, 4]")),
+        (torch.tensor([[6, -100, 8, 9, 1]]), ("row 0, token 4", "last token")),
+    ],
+)
+def test_labels_and_shift_labels_that_disagree_raise_naming_the_position(shift, words):
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with pytest.raises(ValueError, match="labels and shift_labels disagree") as err:
+        shard_batch(None, {"input_ids": ids, "labels": ids, "shift_labels": shift,
+                           "cu_seqlens": CU})  # fmt: skip
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_shift_labels_on_the_pad_tail_need_not_agree_when_padding_is_ignored():
+    ids = torch.tensor([[5, 6, 7, 0, 0]])
+    shift = torch.tensor([[6, 7, -100, 3, 3]])  # anything on the pad tail
+    batch = {"input_ids": ids, "labels": ids, "shift_labels": shift, "seq_lens": torch.tensor([3])}
+    assert shard_batch(None, batch)[0]["shift_labels"].tolist() == [[6, 7, -100, -100, -100]]
+    with pytest.raises(ValueError, match="row 0, token 3"):
+        shard_batch(None, batch, ignore_padding=False)
+
+
+# ------------------------------------------------------------------ keys shard_batch does not know
+@pytest.mark.parametrize(
+    "batch, key",
+    [
+        ({"input_ids": torch.ones(2, 4, dtype=torch.long), "completion_mask": torch.ones(2, 4)},
+         "completion_mask"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "token_embeds": torch.ones(1, 4, 3)},
+         "token_embeds"),
+        ({"input_ids": torch.ones(4, dtype=torch.long), "assistant_masks": torch.ones(4)},
+         "assistant_masks"),  # a THD row
+    ],
+)
+def test_unknown_tensors_laid_out_like_the_tokens_raise_naming_them(batch, key):
+    with pytest.raises(ValueError, match=f"shard_batch: {key} is a tensor .*extra_token_keys"):
+        shard_batch(None, batch)
+    if batch["input_ids"].dim() == 2:  # listed, it is sharded like any token stream
+        local, _ = shard_batch(None, batch, extra_token_keys=(key,), pad_multiple=3)
+        assert local[key].shape[:2] == (batch["input_ids"].shape[0], 6)
+
+
+# ------------------------------------------------------------------ ranks that never join
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_without_the_group_makes_the_waiting_ranks_raise_in_bounded_time(rank_pool, world):
+    """Ranks 0 .. world/2 - 1 pass the CP group, the others None (no CP): the waiting ranks raise
+    a RuntimeError naming the missing ranks after join_timeout, not the collective timeout."""
+    join_timeout, with_group = 1.5, list(range(world // 2))
+    res = rank_pool.run(fns.mixed_group_kinds, world, with_group, join_timeout,
+                        return_exceptions=True, timeout=30)  # fmt: skip
+    missing = list(range(world // 2, world))
+    for rank, r in enumerate(res):
+        if rank in missing:
+            assert isinstance(r, float) and r < join_timeout, (rank, r)  # no CP: no waiting
+            continue
+        assert isinstance(r, RuntimeError), (rank, r)
+        msg = str(r)
+        assert f"CP rank(s) {missing}" in msg and "join_timeout=1.5" in msg, msg
+        assert "cp_mesh=None" in msg and f"while CP rank {rank} waited" in msg, msg
+        waited = float(msg.rsplit("[after ", 1)[1].split(" s]")[0])
+        assert join_timeout <= waited < join_timeout + 3.0, waited
+
+
+@pytest.mark.parametrize("value, exc", [(0, ValueError), (-1.0, ValueError), ("5", TypeError),
+                                        (None, TypeError)])  # fmt: skip
+def test_join_timeout_is_checked(value, exc):
+    with pytest.raises(exc, match="shard_batch: join_timeout"):
+        shard_batch(None, {"input_ids": IDS5}, join_timeout=value)

@@ -34,6 +34,10 @@ ids come from ``_packed_seq_ids``, a 2-D ``attention_mask`` (binary or indexed),
 map is int32 and numbers documents as NeMo does (a zero-length document still uses an id).
 Position ids default to one global ``arange`` padded with 0. Documents are the runs of equal
 non-zero ids; fcp's core sees them renumbered 1, 2, ... as int64 (``to_packed_context``).
+NeMo's ``labels`` are already next-token targets: the core gets them as its ``shift_labels``
+(sharded as given, never shifted again) and the batch gets them back under ``labels``; NeMo's
+position ids run on across documents, which the core refuses next to a document map, so the
+sharder slices them itself.
 
 ``Glm5NextPackedContext`` is, like NeMo's, a **mutable**, unhashable dataclass whose memo
 ``_cu_seqlens`` is an ``__init__`` field: NeMo's model code builds it per forward and FSDP's
@@ -64,8 +68,11 @@ depends on the batch and before touching the batch):
 
 * ``[ranks]`` CP ranks holding different batches (rows, length or document map), or some of them
   rejecting theirs: every rank raises ``ValueError`` naming the ranks and what differs, after one
-  all-gather of 6 int64 per rank (:class:`fcp.shard.BatchAgreement`). NeMo runs on with
-  corrupted outputs (same length) or fails inside a collective on some ranks only.
+  exchange of 48 bytes per rank through the group's store (:class:`fcp.shard.BatchAgreement`);
+  a CP rank that never joins it (it passed another group or ``None``) makes the others raise a
+  ``RuntimeError`` naming it after ``fcp.shard.JOIN_TIMEOUT_S`` seconds. NeMo runs on with
+  corrupted outputs (same length), fails inside a collective on some ranks only, or waits for
+  the collective timeout.
 * ``[non-tensor]`` a list or other non-tensor where a tensor is expected (``seq_lens``,
   ``seq_lens_padded``, ``cu_seqlens``, ``_packed_seq_ids``, ``attention_mask``,
   ``padding_mask``, ``labels``, ``position_ids``, ``loss_mask``, ``doc_ids_row``): NeMo ignores it
@@ -781,17 +788,23 @@ def shard_batch_for_glm5_next_cp(
         n_rows, seq_len = ids.shape
         raw, doc_ids = _resolve_doc_ids(work, seq_len)
 
+        # NeMo's labels are already next-token targets: fcp's shift_labels, kept as given.
         core_batch: dict[str, Any] = {"input_ids": ids, "doc_ids": doc_ids}
         if work.get("labels") is not None:
-            core_batch["labels"] = check_stream("labels", work["labels"])
+            core_batch["shift_labels"] = check_stream("labels", work["labels"])
         positions = work.get("position_ids")
-        one_row = False
         if "position_ids" not in work:
             positions = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand_as(ids)
         if positions is not None:
+            # NeMo's positions run on across documents (one arange by default), which fcp's
+            # core refuses next to a document map: they are sharded here, as NeMo does.
             positions = check_stream("position_ids", positions)
-            one_row = positions.dim() == 2 and positions.shape[0] == 1 and n_rows > 1
-            core_batch["position_ids"] = positions.expand(n_rows, -1) if one_row else positions
+            if positions.dim() != 2 or positions.shape[0] not in (1, n_rows) or \
+                    positions.shape[1] != seq_len:  # fmt: skip
+                raise ValueError(
+                    f"position_ids has shape {tuple(positions.shape)}, expected [batch={n_rows}, "
+                    f"sequence={seq_len}] (or [1, sequence]) like input_ids"
+                )
         padding_mask = work.get("padding_mask")
         if padding_mask is not None:
             check_tensor(padding_mask, "padding_mask", values=True)
@@ -814,11 +827,10 @@ def shard_batch_for_glm5_next_cp(
     batch.update(rows)
     for key in _METADATA_KEYS:
         batch.pop(key, None)
-    if "labels" in core_batch:
-        batch["labels"] = local["labels"].contiguous()
+    if "shift_labels" in core_batch:
+        batch["labels"] = local["shift_labels"].contiguous()
     if positions is not None:
-        local_positions = local["position_ids"][:1] if one_row else local["position_ids"]
-        batch["position_ids"] = local_positions.contiguous()
+        batch["position_ids"] = core.shard(pad_sequence_dim(positions, pad, 0)).contiguous()
     if shard_primary:
         batch["input_ids"] = local["input_ids"].contiguous()
     if padding_mask is not None:

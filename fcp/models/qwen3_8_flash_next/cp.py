@@ -54,8 +54,11 @@ batch before some errors):
 
 * ``[ranks]`` CP ranks holding different batches (rows, length or document map), or some of them
   rejecting theirs: every rank raises ``ValueError`` naming the ranks and what differs, after one
-  all-gather of 6 int64 per rank (:class:`fcp.shard.BatchAgreement`). NeMo runs on with
-  corrupted outputs (same length) or fails inside a collective on some ranks only.
+  exchange of 48 bytes per rank through the group's store (:class:`fcp.shard.BatchAgreement`);
+  a CP rank that never joins it (it passed another group or ``None``) makes the others raise a
+  ``RuntimeError`` naming it after ``fcp.shard.JOIN_TIMEOUT_S`` seconds. NeMo runs on with
+  corrupted outputs (same length), fails inside a collective on some ranks only, or waits for
+  the collective timeout.
 * ``[non-tensor]`` a list or other non-tensor where a tensor is expected (``cu_seqlens``,
   ``seq_lens``, masks, ``labels``, ``position_ids``, ``loss_mask``, the context's tensors):
   NeMo raises ``AttributeError`` or ignores it.
