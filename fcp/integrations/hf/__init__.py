@@ -134,6 +134,10 @@ def enable_packed_cp(model: nn.Module, *, allow_unreplaced: bool = False) -> nn.
     :mod:`.coverage`), which under a ``cp_context`` would silently run non-CP code on the packed,
     sharded batch. Each raises before any change to ``model``.
 
+    Under a ``cp_context`` the model's loss comes from ``shift_labels`` (what
+    :func:`fcp.shard_batch` makes of ``labels``), and ``labels=`` alone raises
+    (:mod:`.causal_lm`: shifting inside a shard would lose every shard's last target).
+
     ``allow_unreplaced=True`` enables such a model anyway, for unreplaced mixers that never run
     under a ``cp_context`` (or a module the rule flags wrongly, run without one): each gets an
     :class:`~fcp.integrations.hf.core.UnreplacedGuard` and raises a ``ValueError`` naming it when
