@@ -123,3 +123,39 @@ def test_sft_trainer_packing_equals_one_process(runs):
     err = max(abs(a - b) / abs(b) for a, b in zip(got, want))
     print(f"\n[sft] relative loss error CP 2 vs one process: {err:.1e}")
     assert len(got) == 4 and err <= 5e-5
+
+
+def _trainer(tmp_path, **kw):
+    from transformers import DataCollatorWithFlattening
+
+    from fcp.integrations.hf import PackedCPTrainer
+    from tests._trainer_job import BATCH, arguments, dataset, tiny_model
+
+    overrides = {k: kw.pop(k) for k in list(kw) if k != "cp_size"}
+    return PackedCPTrainer(model=tiny_model(), args=arguments(tmp_path, "v", BATCH, **overrides),
+                           train_dataset=dataset(), data_collator=DataCollatorWithFlattening(),
+                           **kw)  # fmt: skip
+
+
+def test_arguments_that_cannot_give_the_one_process_loss_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="cp_size=2 does not divide the 1 launched"):
+        _trainer(tmp_path, cp_size=2)
+    with pytest.raises(ValueError, match="average_tokens_across_devices=True"):
+        _trainer(tmp_path, average_tokens_across_devices=False)
+    with pytest.raises(ValueError, match="cp_size=0 must be >= 1"):
+        _trainer(tmp_path, cp_size=0)
+
+
+def test_one_process_trainer_shards_and_counts(tmp_path):
+    """``cp_size=1``: the batch is sharded (documents from the collator's position_ids), its
+    targets counted over ``shift_labels``, and the model enabled."""
+    from fcp.integrations.hf import packed_mixers
+
+    trainer = _trainer(tmp_path, cp_size=1)
+    assert packed_mixers(trainer.model)  # enable_packed_cp applied
+    batch = trainer.data_collator([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+    shards, count = trainer.get_batch_samples(iter([batch]), 1, torch.device("cpu"))
+    ctx = shards[0]["cp_context"]
+    assert ctx.doc_ids.tolist() == [[1, 1, 1, 2, 2]]
+    assert shards[0]["shift_labels"].tolist() == [[6, 7, -100, 9, -100]]
+    assert "labels" not in shards[0] and int(count) == 3
