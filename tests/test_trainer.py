@@ -144,6 +144,8 @@ def test_arguments_that_cannot_give_the_one_process_loss_are_refused(tmp_path):
         _trainer(tmp_path, average_tokens_across_devices=False)
     with pytest.raises(ValueError, match="cp_size=0 must be >= 1"):
         _trainer(tmp_path, cp_size=0)
+    with pytest.raises(ValueError, match="label_smoothing_factor=0.1 is not supported"):
+        _trainer(tmp_path, label_smoothing_factor=0.1)
 
 
 def test_one_process_trainer_shards_and_counts(tmp_path):

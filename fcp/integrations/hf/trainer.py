@@ -80,6 +80,14 @@ class PackedCP:
                 "rank's loss by its own shard's tokens, which is not the one-process loss under "
                 "CP; set average_tokens_across_devices=True"
             )
+        if args_.label_smoothing_factor or self.compute_loss_func is not None:
+            what = (f"label_smoothing_factor={args_.label_smoothing_factor}"
+                    if args_.label_smoothing_factor else "compute_loss_func")  # fmt: skip
+            raise ValueError(
+                f"{name}: {what} is not supported: under CP the loss comes from the model's "
+                "shift_labels (fcp.integrations.hf.causal_lm), and the Trainer would hand these "
+                "no labels (the local batch carries none); drop it"
+            )
         if args_.n_gpu > 1:
             raise ValueError(f"{name}: one process per device (launch with torchrun or accelerate "
                              f"launch); got n_gpu={args_.n_gpu} (torch DataParallel)")  # fmt: skip
