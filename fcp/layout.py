@@ -213,10 +213,11 @@ def doc_ids_from_seq_lens(
     return _doc_ids_from_starts(ends - lens, lens.sum(dim=1), seq_len)
 
 
-def _doc_ids_from_start_flags(starts: torch.Tensor) -> torch.Tensor:
-    """Ids ``1, 2, ...`` from bool ``[batch, sequence]`` document starts (token 0 always starts)."""
-    starts = starts.clone()
-    starts[:, :1] = True
+def _doc_ids_from_changes(row: torch.Tensor, changed: torch.Tensor) -> torch.Tensor:
+    """Ids ``1, 2, ...`` of ``row``'s ``[batch, sequence]`` tokens, given bool ``changed``
+    ``[batch, sequence - 1]``: token ``t + 1`` starts a document (token 0 always does)."""
+    starts = torch.ones_like(row, dtype=torch.bool)
+    starts[:, 1:] = changed
     return starts.to(torch.int64).cumsum(dim=1)
 
 
@@ -244,9 +245,7 @@ def doc_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     Example: ``[[0, 1, 2, 0, 1, 7]] -> [[1, 1, 1, 2, 2, 3]]``
     """
     pos = _row_stream(position_ids, "position_ids").to(torch.int64)
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    return _doc_ids_from_start_flags(starts)
+    return _doc_ids_from_changes(pos, pos[:, 1:] != pos[:, :-1] + 1)
 
 
 def doc_ids_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
@@ -257,8 +256,7 @@ def doc_ids_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
     Example: ``[[0, 0, 1, 1, 1, 4]] -> [[1, 1, 2, 2, 2, 3]]``
     """
     idx = _row_stream(seq_idx, "seq_idx")
-    return _doc_ids_from_start_flags(torch.cat([torch.ones_like(idx[:, :1], dtype=torch.bool),
-                                                idx[:, 1:] != idx[:, :-1]], dim=1))  # fmt: skip
+    return _doc_ids_from_changes(idx, idx[:, 1:] != idx[:, :-1])
 
 
 def shift_labels_from_labels(

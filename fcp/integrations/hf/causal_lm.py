@@ -34,12 +34,11 @@ Example (one process; documents ``[5, 6, 7]`` and ``[8, 9]``)::
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fcp.integrations.hf.core import positional_parameters
 from fcp.loss import global_token_mean, loss_token_count
 from fcp.shard import IGNORE_INDEX
 
@@ -65,10 +64,7 @@ class CausalLMLoss:
         for hook in model._forward_pre_hooks.values():
             if isinstance(getattr(hook, "__self__", None), CausalLMLoss):
                 return
-        params = inspect.signature(model.forward).parameters
-        positional = tuple(n for n, p in params.items()
-                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))  # fmt: skip
-        hooks = CausalLMLoss(positional)
+        hooks = CausalLMLoss(positional_parameters(model))
         model.register_forward_pre_hook(hooks.enter, with_kwargs=True)
         model.register_forward_hook(hooks.exit, with_kwargs=True, always_call=True)
 

@@ -54,7 +54,7 @@ from torch import nn
 from fcp.context import PackedContext, check_context
 
 __all__ = ["MULTIMODAL_INPUTS", "ContextScope", "FcpMixer", "NoMasks", "UnreplacedGuard",
-           "fcp_class", "packed_class", "replace"]
+           "fcp_class", "packed_class", "positional_parameters", "replace"]
 
 #: A model forward's image / video arguments, refused with a ``cp_context``: under CP a vision
 #: tower would see every rank's image while the rank holds a shard of its placeholder tokens, and
@@ -171,6 +171,13 @@ def _check_text_only(arguments: dict, fn: str) -> None:
                          f"(got {found}); fcp runs packed text tokens only")  # fmt: skip
 
 
+def positional_parameters(model: nn.Module) -> tuple[str, ...]:
+    """The names of ``model.forward``'s positional parameters, to find an argument a hook is
+    handed by position."""
+    params = inspect.signature(model.forward).parameters.values()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
 def replace(module: nn.Module, adapter: type[FcpMixer]) -> None:
     """Turn ``module`` (a transformers mixer that passed ``adapter.fcp_check``) into an fcp mixer
     in place (see the module doc)."""
@@ -250,9 +257,7 @@ class ContextScope:
                 hook.__self__.guards = list(guards)
                 return
         params = inspect.signature(model.forward).parameters
-        positional = tuple(n for n, p in params.items()
-                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))  # fmt: skip
-        scope = ContextScope(mixers, "use_cache" in params, positional, guards)
+        scope = ContextScope(mixers, "use_cache" in params, positional_parameters(model), guards)
         # a model that holds the decoder layers builds transformers' masks itself: under a
         # context it gets the mapping "no mask" instead (fcp's mixers take the documents from
         # the context; an eager causal mask alone is [batch, 1, seq, seq], 16 GiB at 64k tokens)
