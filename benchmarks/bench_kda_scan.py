@@ -4,7 +4,8 @@
 
 1. Eager (1 thread, CPU time, median): ``fcp.kda`` forward + backward at ``--eager-len`` tokens
    (4 heads, K = V = 64), and its chunk-recurrence section alone run both ways on the same inputs
-   (:func:`fcp.scan.chunk_scan` and the loop, kept here as the baseline). The loop version of
+   (the kit's DPLR scan :func:`fcp.ops.kit.recurrence.dplr_scan`, i.e. :func:`fcp.scan.chunk_scan`,
+   and the loop, kept here as the baseline). The loop version of
    the whole operator is ``total - scan section + loop section``; the ratio is reported.
 2. Compile: inductor compile time of ``fcp.kda`` forward + backward (``fullgraph=True``), each
    length in a fresh process with a fresh inductor cache (a cold compile), and the ratio of the
@@ -59,7 +60,7 @@ def cpu_time(fn, repeats: int) -> float:
 
 def eager(seq: int, repeats: int) -> dict:
     import fcp
-    from fcp.scan import chunk_scan
+    from fcp.ops.kit.recurrence import dplr_scan
 
     xs = make(seq, HEADS, DIM)
     ctx = fcp.PackedContext(torch.ones(1, seq, dtype=torch.long))
@@ -82,12 +83,12 @@ def eager(seq: int, repeats: int) -> dict:
         return run
 
     with torch.no_grad():
-        a, b = chunk_scan(*sec), loop(*sec)
+        a, b = dplr_scan(*sec), loop(*sec)
     agree = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
     rows = {"total": [], "scan": [], "loop": []}
     for _ in range(repeats):  # interleaved: the machine's load hits all three alike
         rows["total"].append(cpu_time(full, 1))
-        rows["scan"].append(cpu_time(section(chunk_scan), 1))
+        rows["scan"].append(cpu_time(section(dplr_scan), 1))
         rows["loop"].append(cpu_time(section(loop), 1))
     med = {k: statistics.median(v) for k, v in rows.items()}
     with_loop = med["total"] - med["scan"] + med["loop"]

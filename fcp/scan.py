@@ -1,21 +1,26 @@
 """Affine state maps composed by a log-depth associative scan (static shapes, no Python loop).
 
 A linear recurrence split into pieces (chunks of a sequence, or CP ranks) hands each piece the
-state ``S_out = A S_in + B`` of the one before. :func:`chunk_scan` evaluates the chunk recurrence
-of chunked KDA (:mod:`fcp.ops.kda.chunked`)::
+state ``S_out = A S_in + B`` of the one before. The chunk maps of the *diagonal-plus-low-rank*
+(DPLR) transition ``A = diag(dec) - kd^T w`` are those of every delta-rule recurrence (KDA, Gated
+DeltaNet; RWKV-7's and DeltaProduct's transitions have the same form); :func:`dplr_maps` builds
+them and :func:`chunk_scan` evaluates their chunk recurrence::
 
     for each chunk i:  states.append(S); u = u0_i - w_i @ S; pseudo.append(u)
                        S = dec_i * S + kd_i^T @ u
 
 without a Python loop over chunks, which ``torch.compile`` would unroll (graph, hence inductor
 compile time, linear in the number of chunks ``N``): the graph holds ``O(log N)`` levels of
-batched matmuls, forward and backward. :func:`fold_maps` composes ``[A | B]`` blocks the same
-way; :func:`fcp.comm.state_chain` uses it for the chain over CP ranks.
+batched matmuls, forward and backward. :func:`decay_scan` does the same for diagonal transitions
+(gated linear attention, Mamba2's SSD). :func:`fold_maps` composes ``[A | B]`` blocks the same
+way; :func:`fcp.comm.state_chain` uses it for the chain over CP ranks. The operators reach these
+through :mod:`fcp.ops.kit.recurrence` (the recurrence kit: run numbering, the WY hierarchy, the
+wiring to the CP state chain); this module is the layer-0 numerics only.
 
 Algebra
 -------
 Per (batch, value head) and chunk ``i``, with ``w_i [C, K]``, ``u0_i [C, V]``, ``kd_i [C, K]``
-(the un-transposed ``kd`` of ``_chunk_forms``) and ``dec_i [K]``, substituting
+(``kd`` not transposed) and ``dec_i [K]``, substituting
 ``u_i = u0_i - w_i S_i`` into ``S_{i+1} = dec_i * S_i + kd_i^T u_i`` gives the affine map
 
     S_{i+1} = A_i S_i + B_i,      A_i = diag(dec_i) - kd_i^T w_i    [K, K]
@@ -51,18 +56,16 @@ forward, ~4 backward, sequential. The scan is 6 forward (leaf maps 2, up-sweep 2
 ``u`` 1) and 6 backward, in ``O(log N)`` batched matmuls. ``C = K`` leaves nothing to gain from
 the low rank of ``kd_i^T w_i``.
 
-Context parallelism: ``s0`` and ``u0`` may have any number ``V'`` of columns, so the CP path of
-``kda`` runs the scan on the augmented state ``[S | P]`` with ``s0 = [0 | I]``, ``u0 -> [u0 | 0]``;
+Context parallelism: ``s0`` and ``u0`` may have any number ``V'`` of columns, so the CP path
+(:func:`fcp.ops.kit.recurrence.dplr_outputs`) runs the scan on the augmented state ``[S | P]``
+with ``s0 = [0 | I]``, ``u0 -> [u0 | 0]``;
 ``final = [S_r | M_r]`` feeds ``state_chain``. (The up-sweep root *is* ``[M_r | S_r]``, so the
 chain could run between the sweeps without the augmented columns; but the gradient through
 ``M_r`` needs the prefix products and a ``[K, K]`` adjoint per chunk anyway, so a hand-written
 backward for it costs what the augmented one does: only the forward would shrink.)
 
-Measured (``benchmarks/bench_kda_scan.py``; 4 heads, K = V = 64, fp32, 1 thread): eager fwd+bwd
-of ``kda`` at 4k tokens within 3% of the same operator with the loop (1.004-1.029 over runs);
-an inductor cold compile of fwd+bwd at 16k tokens takes 0.99x the time at 1k (the loop's grows
-linearly with the chunks). The scan does 6 instead of 2 ``K^3`` units of work per chunk forward
-(``C = K`` leaves no low rank): in the whole operator's time, that is within the 3% above.
+``benchmarks/bench_kda_scan.py`` measures the whole operator with the scan against the loop it
+replaced (eager time, and inductor cold-compile time as the chunk count grows).
 
 Compilation: both scans are ``torch.library`` custom ops (``fcp::chunk_scan_fwd`` /
 ``_bwd``, ``fcp::decay_scan_fwd`` / ``_bwd``, fake kernels and autograd registered, checked by
@@ -107,7 +110,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["chunk_scan", "decay_scan", "fold_maps"]
+__all__ = ["chunk_scan", "decay_scan", "dplr_maps", "fold_maps"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +225,32 @@ def _rev_down(la, gl, x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# the diagonal-plus-low-rank chunk transition
+# ---------------------------------------------------------------------------------------------
+def dplr_maps(w: torch.Tensor, u0: torch.Tensor, kd: torch.Tensor,
+              dec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affine chunk maps ``S_{i+1} = A_i S_i + B_i`` of a diagonal-plus-low-rank transition.
+
+    Args:
+        w, kd: ``[..., N, C, K]`` (``kd`` not transposed); u0: ``[..., N, C, V]``;
+        dec: ``[..., N, K]``; one floating dtype.
+
+    Returns:
+        ``A [..., N, K, K] = diag(dec_i) - kd_i^T w_i`` and ``B [..., N, K, V] = kd_i^T u0_i``, in
+        the inputs' dtype. (:func:`chunk_scan` composes exactly these; this is the definition.)
+
+    >>> a, b = dplr_maps(torch.ones(1, 1, 2), torch.ones(1, 1, 1), torch.ones(1, 1, 2),
+    ...                  torch.full((1, 2), 0.5))
+    >>> a.tolist(), b.tolist()
+    ([[[-0.5, -1.0], [-1.0, -0.5]]], [[[1.0], [1.0]]])
+    """
+    kd_t = _t(kd)
+    a = (kd_t @ w).neg_()  # A_i = diag(dec_i) - kd_i^T w_i
+    a.diagonal(dim1=-2, dim2=-1).add_(dec)
+    return a, kd_t @ u0  # B_i = kd_i^T u0_i
+
+
+# ---------------------------------------------------------------------------------------------
 # the scan with its hand-written backward, as opaque custom ops
 # ---------------------------------------------------------------------------------------------
 # The tree's shape (levels, odd nodes) is Python control flow on the chunk count. Traced by
@@ -264,10 +293,7 @@ def chunk_scan_fwd(w: torch.Tensor, u0: torch.Tensor, kd: torch.Tensor, dec: tor
     ``[..., N + 64, K, K]``; all in the compute dtype (:func:`_wide`)."""
     dt = _wide(w, u0, kd, dec, s0)
     w, u0, kd, dec = w.to(dt), u0.to(dt), kd.to(dt), dec.to(dt)
-    kd_t = _t(kd)
-    a = (kd_t @ w).neg_()  # A_i = diag(dec_i) - kd_i^T w_i
-    a.diagonal(dim1=-2, dim2=-1).add_(dec)
-    b = kd_t @ u0  # B_i = kd_i^T u0_i
+    a, b = dplr_maps(w, u0, kd, dec)
     if s0 is None:
         x0 = b.new_zeros(*b.shape[:-3], 1, *b.shape[-2:])
     else:
@@ -372,8 +398,8 @@ def chunk_scan(
     dec: torch.Tensor,
     s0: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The chunk recurrence of chunked KDA: states entering every chunk, pseudo-values, final
-    state.
+    """The chunk recurrence of a diagonal-plus-low-rank transition (:func:`dplr_maps`): states
+    entering every chunk, pseudo-values, final state.
 
     Args:
         w, kd: ``[..., N, C, K]`` (``kd`` not transposed);

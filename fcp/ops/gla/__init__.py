@@ -50,13 +50,13 @@ def check_gla_inputs(q, k, v, a, local_len: int | None, batch: int | None) -> No
         raise ValueError(f"gla: a must be [{b}, {t}, {heads}] (one decay per head), got "
                          f"{tuple(a.shape)}")  # fmt: skip
     if local_len is not None and t != local_len:
-        raise ValueError(f"gla: seq={t} != context.local_seq_len={local_len}")
+        raise ValueError(f"gla: seq={t} != ctx.local_seq_len={local_len}")
     if batch is not None and b != batch:
-        raise ValueError(f"gla: batch={b} != context batch {batch}")
+        raise ValueError(f"gla: batch={b} != ctx.batch_size {batch}")
 
 
 def gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
-        context: PackedContext, scale: float | None = None, chunk_size: int = 64, *,
+        ctx: PackedContext, scale: float | None = None, chunk_size: int = 64, *,
         backend: str = "auto") -> torch.Tensor:
     """Gated linear attention with one decay per head on this rank's shard of a packed batch.
 
@@ -72,8 +72,8 @@ def gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
             expected ``<= 0`` (no overflow whatever the decay: every exponent formed is a sum of
             ``a``'s, so ``<= 0``; tested with 0, -8 and -40 per token). A positive ``a`` is
             computed as written and may overflow.
-        context: this rank's :class:`~fcp.context.PackedContext`; ``local_seq`` must be
-            ``context.local_seq_len``. The state restarts at every run start of the global map
+        ctx: this rank's :class:`~fcp.context.PackedContext`; ``local_seq`` must be
+            ``ctx.local_seq_len``. The state restarts at every run start of the global map
             (documents and the pad tail).
         scale: query scale, default ``K ** -0.5`` (Mamba2: pass ``1.0``).
         chunk_size: tokens per chunk, a power of two (64 for ``"fla"``).
@@ -111,8 +111,8 @@ def gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
         >>> [round(x, 4) for x in o.flatten().tolist()]
         [4.0, 6.0, 7.0, 2.0, 3.0, 8.0]
     """
-    check_context(context, fn="gla")
-    check_gla_inputs(q, k, v, a, context.local_seq_len, context.batch_size)
+    check_context(ctx, fn="gla")
+    check_gla_inputs(q, k, v, a, ctx.local_seq_len, ctx.batch_size)
     chunk_size = check_power_of_two(chunk_size, "chunk_size", fn="gla")
     backend = choose_backend("gla", backend, BACKENDS, "chunked")
     scale = default_scale(q.shape[-1], scale)
@@ -131,5 +131,5 @@ def gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
             )
         run = fla.gla_fla_static
     with autocast_off(q.device):
-        out = run(q, k, v, a, context, scale, chunk_size)
+        out = run(q, k, v, a, ctx, scale, chunk_size)
     return zero_nonfinite_grad(out)

@@ -4,8 +4,11 @@ exact under CP.
 :func:`gla_chunked` evaluates :mod:`fcp.ops.gla.reference`'s recurrence chunk-wise (Mamba2's SSD
 form, cost linear in the sequence length) with static shapes: documents are never split into
 variable-length pieces; every cross-document term is an exact zero instead, so a document's
-outputs are bitwise independent of every other token of the row. Per chunk of ``C`` tokens, per
-head, with ``D(i, t] = sum_{i < s <= t} a_s`` (inside one document)::
+outputs are bitwise independent of every other token of the row. It is GLA's *intra-chunk form*
+(:class:`_DecayedScores`, the group-major state matmuls) over the recurrence kit
+(:mod:`fcp.ops.kit.recurrence`: run numbering, masked exponentials, chunk boundary decays, the
+CP wiring). Per chunk of ``C`` tokens, per head, with ``D(i, t] = sum_{i < s <= t} a_s``
+(inside one document)::
 
     o_t   = sum_{i <= t, same run} exp(D(i, t]) (q_t . k_i) v_i          # in-chunk, [C, C]
           + exp(D(start, t]) q_t^T S            (t in the run carried into the chunk)
@@ -14,11 +17,12 @@ head, with ``D(i, t] = sum_{i < s <= t} a_s`` (inside one document)::
 
 How it stays exact and static:
 
-* Runs (documents and the pad tail) are numbered by a cumulative sum of run starts over the
-  replicated global map. Cross-run pairs inside a chunk are removed with ``torch.where`` (exact
-  zeros, also for a product that overflowed), before any exponential (no ``inf`` is formed, and
-  a masked entry's gradient is an exact zero); the state entering a chunk reaches only the
-  tokens of the run carried into it, through decays that are exact zeros for the others.
+* Runs (documents and the pad tail) are numbered over the replicated global map
+  (:func:`~fcp.ops.kit.recurrence.chunk_runs`). Cross-run pairs inside a chunk are removed with
+  ``torch.where`` (exact zeros, also for a product that overflowed), before any exponential (no
+  ``inf`` is formed, and a masked entry's gradient is an exact zero); the state entering a
+  chunk reaches only the tokens of the run carried into it, through decays that are exact zeros
+  for the others.
 * Every exponent is a *direct* sum of the ``a``'s it spans (:func:`segment_sums`: a masked
   cumulative sum per pair, Mamba2's "stable segsum"; reversed cumulative sums to the chunk
   end), never a difference of long cumulative sums: ``<= 0`` for ``a <= 0`` (no overflow at
@@ -30,8 +34,9 @@ How it stays exact and static:
   :func:`fcp.scan.decay_scan`: log depth, no Python loop over chunks, so a compiled graph does
   not grow with the sequence length.
 * Under CP the shard's map is ``S_out = m_r S_in + S_r`` with ``m_r`` the product of the chunk
-  decays; :func:`fcp.comm.state_chain` (with ``M_r = m_r I``) hands each rank ``S_in``, which
-  enters chunk ``n`` scaled by the product of the decays before it (:func:`entry_products`).
+  decays; :func:`~fcp.ops.kit.recurrence.entering_state` (:func:`fcp.comm.state_chain` with
+  ``M_r = m_r I``) hands each rank ``S_in``, which enters chunk ``n`` scaled by the product of
+  the decays before it (:func:`~fcp.ops.kit.recurrence.entry_products`).
 """
 
 from __future__ import annotations
@@ -39,37 +44,18 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fcp.comm import state_chain
 from fcp.context import PackedContext
-from fcp.layout import document_starts
-from fcp.ops.kit.common import compute_dtype, repeat_last, trim
+from fcp.ops.kit.common import compute_dtype, trim
+from fcp.ops.kit.recurrence import (
+    boundary_decays,
+    chunk_runs,
+    entering_state,
+    entry_products,
+    masked_exp,
+)
 from fcp.scan import decay_scan
 
-__all__ = ["boundary_decays", "chunk_runs", "entry_products", "gla_chunked", "segment_sums"]
-
-
-def _masked_exp(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` where ``mask``, exact 0 elsewhere (masked before the exponential)."""
-    return torch.exp(torch.where(mask, x, float("-inf")))
-
-
-def chunk_runs(context: PackedContext, chunks: int, chunk_size: int):
-    """Run ids of this rank's shard in chunks, and of the token before each chunk.
-
-    Returns ``(seg [batch, chunks, chunk_size], prev [batch, chunks])``, int64. Equal ids mean the
-    same run of the global map (documents and the pad tail), across ranks too; ``prev`` is 0 (no
-    run) before rank 0. The internal padding to ``chunks * chunk_size`` tokens continues the last
-    run (its tokens get zero inputs, so they carry the state through unchanged).
-    """
-    seg = torch.cumsum(document_starts(context.doc_ids), 1)  # >= 1
-    s0 = context.seq_start
-    local = seg[:, s0 : context.seq_end]
-    n_pad = chunks * chunk_size - local.shape[1]
-    if not statically_known_true(n_pad == 0):  # an index, not a `cat`: no guard on n_pad
-        local = local[:, repeat_last(local.shape[1], n_pad, seg.device)]
-    local = local.reshape(seg.shape[0], chunks, chunk_size)
-    before = seg[:, s0 - 1 : s0] if s0 > 0 else torch.zeros_like(seg[:, :1])
-    return local, torch.cat([before, local[:, :-1, -1]], 1)
+__all__ = ["gla_chunked", "segment_sums"]
 
 
 def segment_sums(a: torch.Tensor) -> torch.Tensor:
@@ -93,7 +79,7 @@ class _DecayedScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, a, same):
-        decay = _masked_exp(same, segment_sums(a))
+        decay = masked_exp(same, segment_sums(a))
         # `where` as well as the zero decay: a product overflowing elsewhere stays out exactly
         attn = torch.where(same, scores * decay, 0.0)
         ctx.save_for_backward(decay, attn)
@@ -110,31 +96,6 @@ class _DecayedScores(torch.autograd.Function):
         return d_scores, torch.nn.functional.pad(d_a, (1, 0)), None
 
 
-def boundary_decays(a: torch.Tensor, seg: torch.Tensor, prev: torch.Tensor):
-    """Decays from each chunk's start, for the tokens that see the state entering it.
-
-    Args:
-        a: ``[..., N, C]`` log decays; seg ``[..., N, C]`` and prev ``[..., N]`` run ids
-            (:func:`chunk_runs`, broadcast against ``a``).
-
-    Returns:
-        ``decay_in [..., N, C]``: ``exp(a_start + ... + a_t)`` for tokens of the run going on
-        before the chunk, exact 0 for the others; ``dec [..., N]``: the chunk's transition (its
-        last token's ``decay_in``: nonzero only if the whole chunk continues that run).
-    """
-    decay_in = _masked_exp(seg == prev[..., None], torch.cumsum(a, -1))
-    return decay_in, decay_in[..., -1]
-
-
-def entry_products(dec: torch.Tensor):
-    """``dec [..., N]`` chunk transitions -> ``(prefix [..., N], total [...])``: the products of
-    the decays before each chunk (how the state entering the shard reaches chunk ``n``) and of
-    all of them (the shard's transition ``m_r``), by :func:`fcp.scan.decay_scan`."""
-    d = dec[..., None, None]
-    prefix, total = decay_scan(d, torch.zeros_like(d), dec.new_ones(*dec.shape[:-1], 1, 1))
-    return prefix[..., 0, 0], total[..., 0, 0]
-
-
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for equal leading dims as one 3-D ``bmm`` (views where the layout allows:
     ``torch.matmul``'s N-D path copies transposed operands, ~3x slower on CPU here)."""
@@ -143,7 +104,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def gla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
-                context: PackedContext, scale: float, chunk_size: int = 64) -> torch.Tensor:
+                ctx: PackedContext, scale: float, chunk_size: int = 64) -> torch.Tensor:
     """The ``"chunked"`` backend of :func:`fcp.ops.gla.gla` (same arguments, checked there;
     ``scale`` resolved). The shard is padded internally to a multiple of ``chunk_size``.
 
@@ -173,7 +134,7 @@ def gla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     vt = tokens(v).unflatten(3, (groups, rep)).permute(0, 3, 1, 2, 4, 5)  # [B, G, N, C, R, V]
     vc = vt.permute(0, 1, 4, 2, 3, 5)  # [B, G, R, N, C, V]
     ac = tokens(a[..., None])[..., 0].unflatten(3, (groups, rep)).permute(0, 3, 4, 1, 2)
-    seg, prev = chunk_runs(context, n, c)
+    seg, prev = chunk_runs(ctx, n, c)
     seg, prev = seg[:, None, None], prev[:, None, None]  # [B, 1, 1, N, C], [B, 1, 1, N]
 
     # in-chunk: decayed scores of same-run pairs i <= t
@@ -187,16 +148,15 @@ def gla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     decay_in, dec = boundary_decays(ac, seg, prev)  # [B, G, R, N, C], [B, G, R, N]
     # D(i, end] = sum_{s > i} a_s (a reversed cumulative sum, shifted: direct sums)
     after = torch.nn.functional.pad(ac.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
-    to_end = _masked_exp(seg == seg[..., -1:], after)  # exp(D(i, end]) for the last run
+    to_end = masked_exp(seg == seg[..., -1:], after)  # exp(D(i, end]) for the last run
     v_end = (vt * to_end.permute(0, 1, 3, 4, 2)[..., None]).flatten(-2)  # [B, G, N, C, R V]
     kv = _bmm(kc.transpose(-1, -2), v_end)  # [B, G, N, K, R V]
     dec_cols = dec.permute(0, 1, 3, 2)[..., None, :, None].expand(-1, -1, -1, 1, -1, dv)
     states, final = decay_scan(dec_cols.flatten(-2), kv)  # the state entering each chunk
-    if context.cp_enabled:
+    if ctx.cp_enabled:
         prefix, total = entry_products(dec)  # [B, G, R, N], [B, G, R]
-        eye = torch.eye(dk, dtype=dt, device=q.device)
         s_final = final.unflatten(-1, (rep, dv)).transpose(2, 3)  # [B, G, R, K, V]
-        s_in = state_chain(total[..., None, None] * eye, s_final, context).to(dt)
+        s_in = entering_state(total, s_final, ctx).to(dt)  # the shard's map is total * I
         reach = prefix.permute(0, 1, 3, 2)[:, :, :, None, :, None]  # [B, G, N, 1, R, 1]
         states = states + (reach * s_in.transpose(2, 3)[:, :, None]).flatten(-2)  # [B, G, N, K, R V]
     inter = _bmm(qc, states).unflatten(-1, (rep, dv))  # [B, G, N, C, R, V]

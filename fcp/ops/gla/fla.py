@@ -55,8 +55,9 @@ runs the op from a zero state (its final state is the shard's ``S_r``); the shar
 ``m_r`` (a scalar per head: the product of its decays, 0 if a run starts inside it) and every
 token's response to the incoming state (``exp(a_start + ... + a_t)`` for tokens of the run going
 on at the shard start, else 0) come from ``a`` in PyTorch, chunk-wise with direct sums
-(:func:`fcp.ops.gla.chunked.boundary_decays`, :func:`~fcp.ops.gla.chunked.entry_products`).
-:func:`fcp.comm.state_chain` turns every rank's ``(m_r I, S_r)`` into this rank's ``S_in`` and
+(:func:`fcp.ops.kit.recurrence.boundary_decays`, :func:`~fcp.ops.kit.recurrence.entry_products`).
+:func:`~fcp.ops.kit.recurrence.entering_state` (:func:`fcp.comm.state_chain` of every rank's
+``(m_r I, S_r)``) gives this rank's ``S_in`` and
 ``o_t += scale * response_t * S_in^T q_t``. Cost: one fp32 ``[B, H, K, K + V]`` all-gather.
 
 Version coupling: written against fla-core 0.6.0's ``chunk_simple_gla_fwd`` /
@@ -72,12 +73,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fcp.comm import state_chain
 from fcp.context import PackedContext
-from fcp.layout import document_starts
-from fcp.ops.gla.chunked import boundary_decays, chunk_runs, entry_products
 from fcp.ops.kit.common import default_scale
 from fcp.ops.kit.fla import contiguous_or_none, device_guard, grad_like
+from fcp.ops.kit.recurrence import (
+    boundary_decays,
+    chunk_runs,
+    entering_state,
+    entry_products,
+    interior_starts,
+)
 
 __all__ = ["FLA_CHUNK_SIZES", "RESET_LOG_DECAY", "fla_gla_bwd", "fla_gla_fwd", "gla_fla_static",
            "reset_decay"]  # fmt: skip
@@ -166,24 +171,22 @@ fla_gla_fwd.register_autograd(_gla_backward, setup_context=_gla_setup)
 # =============================================================================================
 # the backend
 # =============================================================================================
-def reset_decay(a: torch.Tensor, context: PackedContext) -> torch.Tensor:
+def reset_decay(a: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
     """``a [B, L, H]`` with :data:`RESET_LOG_DECAY` at every run start *inside* this rank's slice
     (local position 0 is left alone: each row starts from a zero state). Static shapes, no host
     sync."""
-    starts = document_starts(context.doc_ids)[:, context.seq_start : context.seq_end]
-    interior = torch.cat([torch.zeros_like(starts[:, :1]), starts[:, 1:]], 1)
-    return torch.where(interior[..., None], torch.full((), RESET_LOG_DECAY, dtype=a.dtype,
-                                                       device=a.device), a)  # fmt: skip
+    reset = torch.full((), RESET_LOG_DECAY, dtype=a.dtype, device=a.device)
+    return torch.where(interior_starts(ctx)[..., None], reset, a)
 
 
-def _entry_response(a: torch.Tensor, context: PackedContext, chunk_size: int):
+def _entry_response(a: torch.Tensor, ctx: PackedContext, chunk_size: int):
     """``(response [B, L, H], transition [B, H])`` fp32: each token's factor on the state entering
     the shard, and the shard's transition (module docstring, CP)."""
     bsz, length, heads = a.shape
     n = -(-length // chunk_size)
     ac = torch.nn.functional.pad(a.float(), (0, 0, 0, n * chunk_size - length))
     ac = ac.reshape(bsz, n, chunk_size, heads).permute(0, 3, 1, 2)  # [B, H, N, C]
-    seg, prev = chunk_runs(context, n, chunk_size)
+    seg, prev = chunk_runs(ctx, n, chunk_size)
     decay_in, dec = boundary_decays(ac, seg[:, None], prev[:, None])
     prefix, total = entry_products(dec)
     response = (decay_in * prefix[..., None]).permute(0, 2, 3, 1).reshape(bsz, -1, heads)
@@ -191,7 +194,7 @@ def _entry_response(a: torch.Tensor, context: PackedContext, chunk_size: int):
 
 
 def gla_fla_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
-                   context: PackedContext, scale: float | None = None,
+                   ctx: PackedContext, scale: float | None = None,
                    chunk_size: int = 64) -> torch.Tensor:
     """The ``"fla"`` backend: FLA's dense kernels with decay resets (static mode, module
     docstring). Same arguments as :func:`fcp.ops.gla.gla` (checked there).
@@ -205,11 +208,10 @@ def gla_fla_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.T
     scale = default_scale(q.shape[-1], scale)
     rep = v.shape[2] // q.shape[2]
     q, k = (x.to(v.dtype).repeat_interleave(rep, dim=2) for x in (q, k))
-    o, ht = fla_gla_fwd(q, k, v, reset_decay(a, context), scale, chunk_size)
-    if not context.cp_enabled:
+    o, ht = fla_gla_fwd(q, k, v, reset_decay(a, ctx), scale, chunk_size)
+    if not ctx.cp_enabled:
         return o.to(v.dtype)
-    response, total = _entry_response(a, context, chunk_size)
-    eye = torch.eye(q.shape[-1], dtype=torch.float32, device=q.device)
-    s_in = state_chain(total[..., None, None] * eye, ht, context)  # fp32 [B, H, K, V]
+    response, total = _entry_response(a, ctx, chunk_size)
+    s_in = entering_state(total, ht, ctx)  # fp32 [B, H, K, V]; the shard's map is total * I
     entering = torch.einsum("bthk,bhkv->bthv", q.float(), s_in)
     return (o.float() + (scale * response[..., None]) * entering).to(v.dtype)

@@ -39,16 +39,16 @@ def gla_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.T
 
 
 def gla_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
-                  context: PackedContext | torch.Tensor,
+                  ctx: PackedContext | torch.Tensor,
                   scale: float | None = None) -> torch.Tensor:
     """Single-process :func:`fcp.ops.gla.gla` by the per-token recurrence, state reset at every
     document start (and at the pad tail).
 
-    Same shapes and conventions as :func:`fcp.ops.gla.gla` (which see); ``context`` is a non-CP
+    Same shapes and conventions as :func:`fcp.ops.gla.gla` (which see); ``ctx`` is a non-CP
     :class:`~fcp.context.PackedContext` or directly the int64 doc-id map ``[batch, seq]``.
     Computes in fp32 (fp64 for fp64 inputs); returns ``v``'s dtype.
     """
-    doc_ids = reference_doc_ids(context, "gla_reference")
+    doc_ids = reference_doc_ids(ctx, "gla_reference")
     check_gla_inputs(q, k, v, a, doc_ids.shape[1], doc_ids.shape[0])
     scale = default_scale(q.shape[3], scale)
     o, _ = gla_recurrence(q, k, v, a, scale, starts=document_starts(doc_ids))

@@ -80,13 +80,13 @@ def check_kda_inputs(q, k, v, g, beta, local_len: int | None, batch: int | None)
                 "NaN; e.g. pass -softplus(x) or log(sigmoid(x)))"
             )
     if local_len is not None and t != local_len:
-        raise ValueError(f"kda: seq={t} != context.local_seq_len={local_len}")
+        raise ValueError(f"kda: seq={t} != ctx.local_seq_len={local_len}")
     if batch is not None and b != batch:
-        raise ValueError(f"kda: batch={b} != context batch {batch}")
+        raise ValueError(f"kda: batch={b} != ctx.batch_size {batch}")
 
 
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        context: PackedContext, scale: float | None = None, chunk_size: int = 64, *,
+        ctx: PackedContext, scale: float | None = None, chunk_size: int = 64, *,
         backend: str = "auto") -> torch.Tensor:
     """Kimi Delta Attention (or Gated DeltaNet) on this rank's shard of a packed batch.
 
@@ -105,8 +105,8 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
             broadcast over K, computed without the ``[.., K]`` gate on ``"chunked"`` (the FLA
             backends broadcast it to FLA's KDA kernels).
         beta: ``[batch, local_seq, value_heads]`` delta-rule step sizes.
-        context: this rank's :class:`~fcp.context.PackedContext`; ``local_seq`` must be
-            ``context.local_seq_len``. The state restarts at every run start of the global map
+        ctx: this rank's :class:`~fcp.context.PackedContext`; ``local_seq`` must be
+            ``ctx.local_seq_len``. The state restarts at every run start of the global map
             (documents and the pad tail).
         scale: query scale, default ``K ** -0.5``.
         chunk_size: tokens per chunk, a power of two (32 or 64 for the FLA backends).
@@ -136,8 +136,8 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         >>> o.flatten().tolist()
         [1.0, 1.5, 1.75, 2.0, 3.0, 4.0]
     """
-    check_context(context, fn="kda")
-    check_kda_inputs(q, k, v, g, beta, context.local_seq_len, context.batch_size)
+    check_context(ctx, fn="kda")
+    check_kda_inputs(q, k, v, g, beta, ctx.local_seq_len, ctx.batch_size)
     chunk_size = check_power_of_two(chunk_size, "chunk_size", fn="kda")
     backend = choose_backend("kda", backend, BACKENDS, "chunked")
     scale = default_scale(q.shape[-1], scale)
@@ -159,5 +159,5 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
             )
         run = fla.kda_fla_static if backend == "fla" else fla.kda_fla_varlen
     with autocast_off(q.device):
-        out = run(q, k, v, g, beta, context, scale, chunk_size)
+        out = run(q, k, v, g, beta, ctx, scale, chunk_size)
     return zero_nonfinite_grad(out)

@@ -51,9 +51,10 @@ Under CP, static mode composes the state chain *outside* the op: each rank runs 
 run); by linearity the final state is ``[S_r | M_r]`` (the shard's zero-start state and its
 transition) and the last ``K`` output columns are each token's response ``R_t`` to the incoming
 state (an interior reset zeroes both, exactly as above).
-:func:`fcp.comm.state_chain` turns every rank's ``(M_r, S_r)`` into this rank's incoming state
-``S_in`` and ``o = o[..., :V] + R @ S_in``. Cost: value width ``V + K`` instead of ``V`` on
-``cp_size > 1`` (the non-CP path runs plain ``V``), plus one ``[B, HV, K, K + V]`` fp32 all-gather.
+:func:`~fcp.ops.kit.recurrence.entering_state` (:func:`fcp.comm.state_chain`) turns every rank's
+``(M_r, S_r)`` into this rank's incoming state ``S_in`` and ``o = o[..., :V] + R @ S_in``. Cost:
+value width ``V + K`` instead of ``V`` on ``cp_size > 1`` (the non-CP path runs plain ``V``),
+plus one ``[B, HV, K, K + V]`` fp32 all-gather.
 
 **FLA-varlen mode** (:func:`kda_fla_varlen`, ``backend="fla_varlen"``): FLA's own
 ``cu_seqlens`` / ``cp_context`` path (``fcp::fla_kda_varlen_*``), one
@@ -72,12 +73,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fcp.comm import state_chain
 from fcp.context import PackedContext
 from fcp.layout import document_starts
 from fcp.ops.kit.common import default_scale
 from fcp.ops.kit.fla import build_fla_cp_context, contiguous_or_none, device_guard, empty
 from fcp.ops.kit.fla import grad_like, group_name, make_fla_cp_context, state_dtype
+from fcp.ops.kit.recurrence import entering_state, interior_starts
 
 __all__ = [
     "RESET_LOG_DECAY",
@@ -292,7 +293,7 @@ fla_kda_varlen_fwd.register_autograd(_kda_varlen_backward, setup_context=_kda_va
 # =============================================================================================
 # the two backends
 # =============================================================================================
-def reset_gate(g: torch.Tensor, context: PackedContext) -> torch.Tensor:
+def reset_gate(g: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
     """``g`` with :data:`RESET_LOG_DECAY` at every run start *inside* this rank's slice.
 
     Local position 0 is left alone: the kernel starts each row from its initial state, which is
@@ -300,14 +301,12 @@ def reset_gate(g: torch.Tensor, context: PackedContext) -> torch.Tensor:
     (:func:`kda_fla_static` masks it otherwise). So a row without interior document starts gets
     FLA's plain dense numerics. Static shapes, no host sync.
     """
-    starts = document_starts(context.doc_ids)[:, context.seq_start : context.seq_end]
-    interior = torch.cat([torch.zeros_like(starts[:, :1]), starts[:, 1:]], 1)
     reset = torch.full((), RESET_LOG_DECAY, dtype=g.dtype, device=g.device)
-    return torch.where(interior[:, :, None, None], reset, g)
+    return torch.where(interior_starts(ctx)[:, :, None, None], reset, g)
 
 
 def kda_fla_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor, context: PackedContext, scale: float | None = None,
+                   beta: torch.Tensor, ctx: PackedContext, scale: float | None = None,
                    chunk_size: int = 64) -> torch.Tensor:
     """The ``"fla"`` backend: FLA's dense kernel with gate resets (static mode, module docstring).
 
@@ -320,24 +319,24 @@ def kda_fla_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     """
     dk, dv = q.shape[-1], v.shape[-1]
     scale = default_scale(dk, scale)
-    g = reset_gate(g, context)
-    if not context.cp_enabled:
+    g = reset_gate(g, ctx)
+    if not ctx.cp_enabled:
         return fla_kda_fwd(q, k, v, g, beta, None, scale, chunk_size)[0].to(v.dtype)
     bsz, length, hv = v.shape[:3]
     st = state_dtype(q.dtype)
     v_aug = torch.cat([v, v.new_zeros(bsz, length, hv, dk)], -1)
     # the incoming state enters only if the shard continues the run before it
-    carry = ~document_starts(context.doc_ids)[:, context.seq_start]
+    carry = ~document_starts(ctx.doc_ids)[:, ctx.seq_start]
     eye = torch.eye(dk, dtype=st, device=q.device) * carry[:, None, None, None].to(st)
     h0 = torch.cat([eye.new_zeros(bsz, hv, dk, dv), eye.expand(bsz, hv, dk, dk)], -1)
     o, ht = fla_kda_fwd(q, k, v_aug, g, beta, h0, scale, chunk_size)[:2]
-    s_in = state_chain(ht[..., dv:], ht[..., :dv], context)  # fp32 [B, HV, K, V]
+    s_in = entering_state(ht[..., dv:], ht[..., :dv], ctx)  # fp32 [B, HV, K, V]
     out = o[..., :dv].to(st) + torch.einsum("bthk,bhkv->bthv", o[..., dv:].to(st), s_in.to(st))
     return out.to(v.dtype)
 
 
 def kda_fla_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor, context: PackedContext, scale: float | None = None,
+                   beta: torch.Tensor, ctx: PackedContext, scale: float | None = None,
                    chunk_size: int = 64) -> torch.Tensor:
     """The ``"fla_varlen"`` backend: FLA's variable-length path (``cu_seqlens``, and FLA's own
     ``cp_context`` under CP), one op call per batch row.
@@ -348,13 +347,13 @@ def kda_fla_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     nor recompile-free across packings. The parity / reference mode of the FLA backends.
     """
     scale = default_scale(q.shape[-1], scale)
-    name = group_name(context)
+    name = group_name(ctx)
     outs = []
     for row in range(q.shape[0]):
-        ctx = build_fla_cp_context(context, row, context.group if name else None, None)
-        meta = (ctx.cu_seqlens, ctx.cu_seqlens_cpu, scale, chunk_size, name,
-                int(ctx.pre_num_ranks), int(ctx.post_num_ranks), bool(ctx.is_first_rank),
-                bool(ctx.is_last_rank))  # fmt: skip
+        plan = build_fla_cp_context(ctx, row, ctx.group if name else None, None)
+        meta = (plan.cu_seqlens, plan.cu_seqlens_cpu, scale, chunk_size, name,
+                int(plan.pre_num_ranks), int(plan.post_num_ranks), bool(plan.is_first_rank),
+                bool(plan.is_last_rank))  # fmt: skip
         xs = (x[row : row + 1] for x in (q, k, v, g, beta))
         outs.append(fla_kda_varlen_fwd(*xs, *meta)[0])
     return torch.cat(outs, 0).to(v.dtype)

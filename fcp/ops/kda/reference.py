@@ -47,15 +47,15 @@ def kda_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
 
 def kda_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor, context: PackedContext | torch.Tensor,
+                  beta: torch.Tensor, ctx: PackedContext | torch.Tensor,
                   scale: float | None = None) -> torch.Tensor:
     """Single-process KDA by the per-token recurrence, state reset at every document start.
 
-    Same shapes and conventions as :func:`fcp.ops.kda.kda` (which see); ``context`` is a non-CP
+    Same shapes and conventions as :func:`fcp.ops.kda.kda` (which see); ``ctx`` is a non-CP
     :class:`~fcp.context.PackedContext` or directly the int64 doc-id map ``[batch, seq]``.
     Computes in fp32 (fp64 for fp64 inputs); returns ``v``'s dtype.
     """
-    doc_ids = reference_doc_ids(context, "kda_reference")
+    doc_ids = reference_doc_ids(ctx, "kda_reference")
     check_kda_inputs(q, k, v, g, beta, doc_ids.shape[1], doc_ids.shape[0])
     scale = default_scale(q.shape[3], scale)
     o, _ = kda_recurrence(q, k, v, g, beta, scale, starts=document_starts(doc_ids))

@@ -2,8 +2,12 @@
 another and nothing is copied between them.
 
 * :mod:`.common` - backend choice, default scale, compute dtype, isolation of non-finite values;
+* :mod:`.recurrence` - the recurrence kit: run numbering, masked exponentials, the WY block
+  hierarchy, the diagonal-plus-low-rank chunk transition and its wiring to the CP state chain;
 * :mod:`.attention` - the q/k/v rule, the softmax backend choice, backward anchors;
 * :mod:`.softmax` - the dense masked fp32 softmax, banded by the context's ``band`` (every device);
+* :mod:`.gather` - attention over gathered selected slots (``index_attention``,
+  ``latent_attention``);
 * :mod:`.flex` - FlexAttention with the same masks (CUDA);
 * :mod:`.masks` - attention masks from the replicated doc-id map;
 * :mod:`.pools` - document-aligned pools under CP and the selection pipeline of both indexers;
