@@ -33,6 +33,7 @@ from benchmarks.common import Table
 from benchmarks.bench_layout import random_seq_lens
 from examples.data import PackedDocuments
 from examples.glm5_hf import Glm5NextLM
+from fcp.comm import all_gather_group
 from fcp.groups import resolve_group
 from fcp.shard import _store_exchange, _store_of
 from tests.support.rank_pool import RankPool
@@ -55,7 +56,7 @@ def job(env, batch: dict, repeats: int, with_step: bool) -> dict:
         times["check"].append(timed(lambda: fcp.shard_batch(env.group, batch)))
         times["skip"].append(timed(lambda: fcp.shard_batch(env.group, batch,
                                                            check_agreement=False)))  # fmt: skip
-        times["gather"].append(timed(lambda: fcp.all_gather_sequence(summary, env.group, 0)))
+        times["gather"].append(timed(lambda: all_gather_group(summary, env.group, 0)))
         for name, store in (("file_store", file_store), ("tcp_store", tcp_store)):
             times[name].append(timed(lambda: _store_exchange(store, info, row, 60.0, "bench")))
     dist.barrier(env.group)  # rank 0 serves the TCPStore: nobody may still be reading from it

@@ -1,7 +1,7 @@
 """CPU benchmark: Gated DeltaNet's scalar gate versus the same gate broadcast to ``[.., K]``.
 
 ``fcp.ops.kda.kda`` takes GDN's one-per-head gate ``g [B, L, HV]`` directly (its chunks form a
-``[C, C]`` decay matrix per head, :func:`fcp.ops.kda.chunked._intra_chunk_scalar`); the
+``[C, C]`` decay matrix per head, :func:`fcp.ops.kit.recurrence.wy_forms_scalar`); the
 alternative is to broadcast it to KDA's per-key-dimension gate ``g[..., None].expand(.., K)``,
 which the per-key path then materialises. Both compute the same recurrence (equal to fp32
 rounding). Measured side by side in one process, batch 1, one document per row, Qwen3-Next's

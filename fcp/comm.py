@@ -1,6 +1,7 @@
 """Compile-native collectives for contiguous CP, all on ``torch.distributed._functional_collectives``.
 
-Every byte an fcp operator moves between ranks goes through these functions:
+Every byte an fcp operator moves between ranks goes through these functions. Each takes the
+rank's context as ``ctx: PackedContext``, right after its tensor inputs (options after it):
 
 * :func:`all_gather_sequence` - equal contiguous shards concatenated in rank order (backward: a
   reduce-scatter of the gradient).
@@ -12,14 +13,21 @@ Every byte an fcp operator moves between ranks goes through these functions:
 * :func:`state_chain` - the incoming state of a linear recurrence, from every earlier rank's
   transition and zero-start state, with one all-gather and fp32 accumulation.
 
+The one group-only form, named apart, is :func:`all_gather_group` ``(tensor, group, dim)``: for
+code that holds a process group but no context (the batch agreement before a context exists,
+NeMo-contract wrappers that take a group). Its ``group`` is a :data:`fcp.groups.GroupLike`.
+
+The context arrives validated (:class:`~fcp.context.PackedContext` checks itself when it is
+built); a collective only checks that it *is* one (a trace-time ``isinstance``, nothing in the
+graph).
+
 All are identities (no collective) when CP is off, contain no host synchronisation, and
 trace under ``torch.compile(fullgraph=True)``. Their gradients flow through funcol's own autograd
 formulas (all-gather <-> reduce-scatter, all-to-all <-> all-to-all with swapped splits).
 
 Gradients summed over ranks accumulate in the compute dtype. The backward of a gather or a halo
 *sums* partial gradients from several ranks; in bf16 that sum (and the rounding of each partial
-before it) costs accuracy one process does not lose: ``doc_causal_attention``'s dK under CP 2 was
-1.31x less accurate than one process against fp64. With ``dtype=torch.float32``,
+before it) costs accuracy one process does not lose. With ``dtype=torch.float32``,
 :func:`all_gather_sequence` and :func:`with_left_halo` move the forward in the input's dtype
 (bf16 on the wire), return at least fp32 (fp64 stays fp64), and run the backward exchange and
 every sum of partials in it, rounding to the input's dtype once, as one process does::
@@ -36,11 +44,12 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from fcp.checks import check_instance, check_tensor
-from fcp.context import PackedContext
-from fcp.groups import GroupInfo, resolve_group
+from fcp.context import PackedContext, check_context
+from fcp.groups import GroupInfo, GroupLike, resolve_group
 from fcp.scan import fold_maps
 
 __all__ = [
+    "all_gather_group",
     "all_gather_sequence",
     "all_gather_backward_anchor",
     "dependent_zeros",
@@ -49,12 +58,6 @@ __all__ = [
     "state_chain",
     "with_left_halo",
 ]
-
-
-def _info(group: Any) -> GroupInfo:
-    if isinstance(group, PackedContext):
-        return group.group_info
-    return resolve_group(group)
 
 
 def _compiling() -> bool:
@@ -74,27 +77,24 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 def all_gather_sequence(
     tensor: torch.Tensor,
-    group: Any,
+    ctx: PackedContext,
     dim: int = 1,
     *,
     differentiable: bool = True,
-    validate: bool = True,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Concatenate equal contiguous shards in global rank order along ``dim``.
+    """Concatenate this CP group's equal contiguous shards in global rank order along ``dim``.
 
     Args:
-        tensor: this rank's shard, any shape; ``tensor.shape[dim]`` is the local length (or a
-            fixed fraction of it, e.g. ``local_len // 4`` for a compressed stream) and must be the
-            same on every rank, as must every other axis.
-        group: ``PackedContext``, ``ProcessGroup``, 1-D ``DeviceMesh`` or ``None`` (identity).
+        tensor: this rank's shard, any shape; ``tensor.shape[dim]`` is ``ctx.local_seq_len``
+            (or a whole fraction of it, e.g. ``local_seq // 4`` for a compressed stream, the
+            same on every rank), every other axis the same on every rank.
+        ctx: the rank's :class:`~fcp.context.PackedContext`; without CP this is the identity
+            (``tensor`` itself, or cast to the result dtype).
         dim: axis to concatenate (negative allowed).
         differentiable: ``True``: backward sends each rank the sum over ranks of the gradient of
             its own slice (one reduce-scatter). ``False``: the input is detached (integer metadata,
             frozen routing values); no backward collective.
-        validate: in eager mode, check shapes agree across ranks first (one tiny all-gather) and
-            raise ``ValueError`` on every rank instead of letting the collective fail. Skipped
-            under ``torch.compile``; a ``PackedContext`` group is checked statically instead.
         dtype: ``torch.float32`` makes the result (and its gradient) at least fp32: the
             result dtype is ``torch.promote_types(tensor.dtype, dtype)`` (fp32 for bf16 shards,
             fp64 stays fp64). The shards travel in their own dtype and are cast after the
@@ -102,25 +102,71 @@ def all_gather_sequence(
             and casts once to ``tensor``'s dtype. ``None``: ``tensor``'s dtype throughout.
 
     Returns:
-        ``tensor`` with ``shape[dim]`` multiplied by the group size.
+        ``tensor`` with ``shape[dim]`` multiplied by ``ctx.cp_size``.
+
+    Raises:
+        ArgumentTypeError: ``ctx`` is not a ``PackedContext`` (a raw group goes to
+            :func:`all_gather_group`).
+        ValueError: ``tensor.shape[dim]`` is not the local length or a whole fraction of it
+            (checked statically, from the context: no collective, also under compile).
 
     Example (2 ranks, ``dim=1``): rank 0 holds ``[[a, b]]``, rank 1 ``[[c, d]]``; both get
     ``[[a, b, c, d]]``.
     """
-    info = _info(group)
-    wide = _result_dtype(tensor, dtype, "all_gather_sequence")
+    fn = "all_gather_sequence"
+    check_context(ctx, fn=fn, hint="; gather on a raw process group with all_gather_group")
+    wide = _result_dtype(tensor, dtype, fn)
+    if not ctx.cp_enabled:
+        return tensor.to(wide)
+    dim = dim % tensor.dim()
+    n, local = tensor.shape[dim], ctx.local_seq_len
+    if n == 0 or local % n:
+        raise ValueError(
+            f"{fn}: shard length tensor.shape[{dim}]={n} must be the local "
+            f"sequence length {local} or a whole fraction of it"
+        )
+    return _gather(tensor, ctx.group, dim, differentiable, wide)
+
+
+def all_gather_group(
+    tensor: torch.Tensor,
+    group: GroupLike,
+    dim: int = 1,
+    *,
+    differentiable: bool = True,
+    validate: bool = True,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """:func:`all_gather_sequence` on a raw group, for code that holds no context.
+
+    The group-only form (batch agreement before a context exists, NeMo-contract wrappers that
+    take a group, shards whose length is not tied to the local sequence length).
+
+    Args:
+        tensor: this rank's shard; every axis must have the same size on every rank.
+        group: a :data:`~fcp.groups.GroupLike` (``None``: one process, the identity).
+        dim, differentiable, dtype: as for :func:`all_gather_sequence`.
+        validate: in eager mode, check first that the shapes agree across ranks (one tiny
+            all-gather) and raise ``ValueError`` on every rank instead of letting the
+            collective fail. Skipped under ``torch.compile``.
+
+    Returns:
+        ``tensor`` with ``shape[dim]`` multiplied by the group size.
+    """
+    fn = "all_gather_group"
+    info = resolve_group(group, fn=fn)
+    wide = _result_dtype(tensor, dtype, fn)
     if info.group is None:
         return tensor.to(wide)
     dim = dim % tensor.dim()
-    if isinstance(group, PackedContext):
-        n, local = tensor.shape[dim], group.local_seq_len
-        if n == 0 or local % n:
-            raise ValueError(
-                f"all_gather_sequence: shard length tensor.shape[{dim}]={n} must be the local "
-                f"sequence length {local} or a whole fraction of it"
-            )
-    elif validate and not _compiling():
-        _check_equal_shapes(tensor, info, "all_gather_sequence")
+    if validate and not _compiling():
+        _check_equal_shapes(tensor, info, fn)
+    return _gather(tensor, info.group, dim, differentiable, wide)
+
+
+def _gather(tensor: torch.Tensor, group: Any, dim: int, differentiable: bool,
+            wide: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """The gather of both forms on a resolved, CP-enabled ``group``, result in ``wide``."""
     if not differentiable:
         tensor = tensor.detach()
     # Gather along dim 0 and move the axis back: funcol's own dim != 0 path returns a view whose
@@ -128,9 +174,9 @@ def all_gather_sequence(
     # gradients. Rank-order concatenation is the same either way.
     front = tensor.movedim(dim, 0).contiguous()
     if wide != tensor.dtype and differentiable:
-        gathered = _GatherWide.apply(front, info.group, wide)
+        gathered = _GatherWide.apply(front, group, wide)
     else:
-        gathered = _wait(funcol.all_gather_single(front, 0, info.group)).to(wide)
+        gathered = _wait(funcol.all_gather_single(front, 0, group)).to(wide)
     return gathered.movedim(0, dim)
 
 
@@ -242,12 +288,12 @@ def halo_plan(cp_size: int, local_len: int, history: int) -> list[tuple[list[int
     ]
 
 
-def left_halo(tensor: torch.Tensor, context: PackedContext, history: int) -> torch.Tensor:
+def left_halo(tensor: torch.Tensor, ctx: PackedContext, history: int) -> torch.Tensor:
     """The ``history`` global tokens immediately before this rank's interval.
 
     Args:
         tensor: ``[batch, local_seq, *channels]``, this rank's shard.
-        context: the rank's ``PackedContext`` (group, rank, local length).
+        ctx: the rank's :class:`~fcp.context.PackedContext` (group, rank, local length).
         history: how many preceding tokens are needed; may exceed ``local_seq`` (the halo then
             spans several earlier ranks).
 
@@ -261,19 +307,19 @@ def left_halo(tensor: torch.Tensor, context: PackedContext, history: int) -> tor
     never the ``O(world * history)`` of an all-gather. Gradients of halo values flow back to the
     owning ranks through the all-to-all's backward (the same exchange, reversed).
     """
-    _check_halo(tensor, context, history, "left_halo")
-    if not context.cp_enabled or history == 0:
+    _check_halo(tensor, ctx, history, "left_halo")
+    if not ctx.cp_enabled or history == 0:
         return tensor.new_zeros(tensor.shape[0], history, *tensor.shape[2:])
-    return _halo_exchange(tensor, context.group, context.cp_size, context.cp_rank, history)
+    return _halo_exchange(tensor, ctx.group, ctx.cp_size, ctx.cp_rank, history)
 
 
-def _check_halo(tensor: torch.Tensor, context: PackedContext, history: int, fn: str) -> None:
+def _check_halo(tensor: torch.Tensor, ctx: PackedContext, history: int, fn: str) -> None:
+    check_context(ctx, fn=fn)
     if history < 0:
         raise ValueError(f"{fn}: history must be >= 0, got {history}")
-    if tensor.shape[1] != context.local_seq_len:
+    if tensor.shape[1] != ctx.local_seq_len:
         raise ValueError(
-            f"{fn}: tensor.shape[1]={tensor.shape[1]} != context.local_seq_len="
-            f"{context.local_seq_len}"
+            f"{fn}: tensor.shape[1]={tensor.shape[1]} != ctx.local_seq_len={ctx.local_seq_len}"
         )
 
 
@@ -295,13 +341,13 @@ def _halo_exchange(tensor: torch.Tensor, group: Any, size: int, rank: int, histo
 
 
 def with_left_halo(
-    tensor: torch.Tensor, context: PackedContext, history: int, *, dtype: torch.dtype | None = None
+    tensor: torch.Tensor, ctx: PackedContext, history: int, *, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """``cat([left_halo(tensor, context, history), tensor], 1)``, at least in ``dtype``.
+    """``cat([left_halo(tensor, ctx, history), tensor], 1)``, at least in ``dtype``.
 
     Args:
         tensor: ``[batch, local_seq, *channels]``, this rank's shard.
-        context, history: as for :func:`left_halo`.
+        ctx, history: as for :func:`left_halo`.
         dtype: as for :func:`all_gather_sequence`: the result is in
             ``torch.promote_types(tensor.dtype, dtype)`` (``None``: ``tensor``'s dtype).
 
@@ -313,11 +359,15 @@ def with_left_halo(
     dtype and the owner adds it to its shard's own gradient in it, rounding to ``tensor``'s dtype
     once, as one process rounds the single gradient of each token.
     """
-    _check_halo(tensor, context, history, "with_left_halo")
+    _check_halo(tensor, ctx, history, "with_left_halo")
     wide = _result_dtype(tensor, dtype, "with_left_halo")
-    if not context.cp_enabled or history == 0 or wide == tensor.dtype:
-        return torch.cat([left_halo(tensor, context, history), tensor], 1).to(wide)
-    return _HaloWide.apply(tensor, context.group, context.cp_size, context.cp_rank, history, wide)
+    if not ctx.cp_enabled or history == 0:
+        halo = tensor.new_zeros(tensor.shape[0], history, *tensor.shape[2:])
+        return torch.cat([halo, tensor], 1).to(wide)
+    if wide == tensor.dtype:
+        halo = _halo_exchange(tensor, ctx.group, ctx.cp_size, ctx.cp_rank, history)
+        return torch.cat([halo, tensor], 1)
+    return _HaloWide.apply(tensor, ctx.group, ctx.cp_size, ctx.cp_rank, history, wide)
 
 
 class _HaloWide(torch.autograd.Function):
@@ -351,9 +401,7 @@ class _HaloWide(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # state chain
 # ---------------------------------------------------------------------------------------------
-def state_chain(
-    transition: torch.Tensor, state: torch.Tensor, context: PackedContext | Any
-) -> torch.Tensor:
+def state_chain(transition: torch.Tensor, state: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
     """Incoming state of this rank for a linear recurrence split across ranks.
 
     Each rank ``r`` ran its shard from a zero state and reports
@@ -371,8 +419,9 @@ def state_chain(
     ``torch.autocast`` too (:func:`~fcp.scan.fold_maps` turns it off around its matmuls).
     Differentiable with respect to every rank's ``M`` and ``S`` (backward: one reduce-scatter).
 
-    ``context`` is a ``PackedContext`` (or a ``GroupInfo``).
+    ``ctx`` is the rank's :class:`~fcp.context.PackedContext` (its group, size and rank).
     """
+    check_context(ctx, fn="state_chain")
     if transition.shape[-1] != transition.shape[-2] or transition.shape[-1] != state.shape[-2]:
         raise ValueError(
             f"state_chain: transition {tuple(transition.shape)} must be [..., K, K] and state "
@@ -383,7 +432,7 @@ def state_chain(
             f"state_chain: leading dims differ: transition {tuple(transition.shape[:-2])} vs "
             f"state {tuple(state.shape[:-2])}"
         )
-    info = context.group_info if isinstance(context, PackedContext) else _info(context)
+    info = ctx.group_info
     zero = state.new_zeros(state.shape, dtype=torch.float32)
     if info.group is None:
         return zero
@@ -393,6 +442,6 @@ def state_chain(
     # Rank 0 uses none of the gathered blocks; the anchor keeps it in the backward collective.
     acc = zero + all_gather_backward_anchor(blocks)
     if info.rank:  # static: the rank is a Python int
-        # earlier ranks' maps composed by the same log-depth scan as KDA's chunks
+        # earlier ranks' maps composed by the same log-depth scan as a recurrence's chunks
         acc = acc + fold_maps(blocks[: info.rank])[..., k:]
     return acc

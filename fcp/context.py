@@ -1,7 +1,8 @@
 """``PackedContext``: the replicated global document map plus this rank's contiguous interval.
 
-Every fcp operator takes one of these. It is a frozen dataclass registered as a pytree whose only
-leaf is the global doc-id map; everything else (group, sizes, offsets) is static metadata, so a
+Every fcp operator and collective takes one of these, as ``ctx``, right after its tensor inputs
+(:func:`check_context` is the one check each makes). It is a frozen dataclass registered as a
+pytree whose only leaf is the global doc-id map; everything else (group, sizes, offsets) is static metadata, so a
 compiled model sees one tensor input whose *values* change from batch to batch while its shape
 does not, and nothing recompiles when the packing changes.
 
@@ -33,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from fcp.checks import check_instance, check_int, check_tensor
+from fcp.checks import ArgumentTypeError, check_int, check_tensor, describe
 from fcp.groups import GroupInfo
 from fcp.layout import (
     PAD_DOC_ID,
@@ -84,7 +85,9 @@ class PackedContext:
     replicated map reaches the same verdict before any collective). Build contexts eagerly, once
     per batch (``fcp.shard_batch`` does), and pass them into the compiled model as arguments:
     when ``torch.compile`` rebuilds a context from its pytree leaves (fake tensors), only the
-    static checks run, so a compiled region never synchronises.
+    static checks run, so a compiled region never synchronises. A context is therefore valid
+    for as long as it exists (it is frozen): the operators and collectives that take it check
+    only that they were given one (:func:`check_context`, once per call), never its contents.
     """
 
     doc_ids: torch.Tensor
@@ -163,21 +166,23 @@ class PackedContext:
 
     @property
     def group_info(self) -> GroupInfo:
+        """The CP group as :class:`~fcp.groups.GroupInfo` ``(group, size, rank)``."""
         return GroupInfo(self.group, self.cp_size, self.cp_rank)
 
     @property
     def batch_size(self) -> int:
+        """Rows of the batch (``doc_ids.shape[0]``): the same on every rank."""
         return self.doc_ids.shape[0]
-
-    @property
-    def global_seq_len(self) -> int:
-        """Padded global length ``cp_size * local_seq_len``."""
-        return self.doc_ids.shape[1]
 
     @property
     def seq_end(self) -> int:
         """Exclusive global end of this rank's interval."""
         return self.seq_start + self.local_seq_len
+
+    @property
+    def global_seq_len(self) -> int:
+        """Padded global length ``cp_size * local_seq_len``."""
+        return self.doc_ids.shape[1]
 
     @property
     def key_band(self) -> int:
@@ -215,7 +220,7 @@ class PackedContext:
 
         ``tensor.shape[dim]`` may be the padded global length or the original length (then it is
         zero-padded on the right first). Used with ``shard_primary=False``: the model builds the
-        full embedding sequence, then applies ``context.shard(embeds)``.
+        full embedding sequence, then applies ``ctx.shard(embeds)``.
         """
         n = tensor.shape[dim]
         if n != self.global_seq_len:
@@ -301,7 +306,19 @@ def band_bucket(longest: int, seq: int) -> int:
 register_frozen_pytree(PackedContext, leaves=("doc_ids",), name="fcp.PackedContext")
 
 
-def check_context(value: Any, *, fn: str = "", name: str = "context") -> PackedContext:
+def check_context(value: Any, *, fn: str = "", name: str = "ctx", hint: str = "") -> PackedContext:
     """``value`` if it is a :class:`PackedContext`, else :class:`~fcp.checks.ArgumentTypeError`
-    naming ``fn`` and ``name`` (the one context check of every operator)."""
-    return check_instance(value, PackedContext, name, fn=fn)
+    naming ``fn`` and ``name`` (``hint`` is appended to the message).
+
+    The one context check of every operator's dispatcher (and of each collective): a type
+    check only, evaluated at trace time under ``torch.compile`` (nothing in the graph). The
+    context's *contents* need no second look: a ``PackedContext`` validates itself once, when
+    it is built (``fcp.shard_batch`` builds it eagerly, once per batch; see the class
+    docstring), and it is frozen.
+    """
+    if not isinstance(value, PackedContext):
+        prefix = f"{fn}: " if fn else ""
+        raise ArgumentTypeError(
+            f"{prefix}{name} must be a PackedContext, got {describe(value)}{hint}"
+        )
+    return value

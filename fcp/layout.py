@@ -26,16 +26,19 @@ Host-side functions (``doc_ids_from_cu_seqlens`` / ``doc_ids_from_seq_lens``,
 ``doc_ids_from_position_ids`` / ``doc_ids_from_seq_idx`` (transformers' packing formats) and
 ``shift_labels_from_labels`` are compile-safe: no host sync, no data-dependent shapes.
 Nothing loops over documents or tokens in Python.  Every rejection is a ``ValueError`` naming the
-argument and the offending value (a wrong type is :class:`fcp.checks.ArgumentTypeError`,
-also a ``ValueError``: the rule of :mod:`fcp.checks`); verdicts depend only on the
-inputs, so CP ranks holding the same replicated metadata agree.
+argument and the offending value; a wrong type or dtype is :class:`fcp.checks.ArgumentTypeError`
+(a ``TypeError`` that is also a ``ValueError``: the rule of :mod:`fcp.checks`) and names the
+function too. A value error starts with the argument's name (``cu_seq_lens_q[2] = ...``), the
+key a caller such as :func:`fcp.shard_batch` passed as ``name``, so its message reads the same
+wherever the check runs. Verdicts depend only on the inputs, so CP ranks holding the same
+replicated metadata agree.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fcp.checks import check_int, check_tensor
+from fcp.checks import ArgumentTypeError, check_int, check_tensor
 
 __all__ = [
     "PAD_DOC_ID", "OUTSIDE_DOC_ID", "SEQ_LENS_SENTINEL", "doc_ids_window",
@@ -56,12 +59,12 @@ SEQ_LENS_SENTINEL = -1000
 # ---- argument checks ---------------------------------------------------------
 
 
-def _require_tensor(x, name: str, integer: bool = False) -> None:
-    check_tensor(x, name, kind="int" if integer else None, values=True)  # validation reads them
+def _require_tensor(x, name: str, fn: str, integer: bool = False) -> None:
+    check_tensor(x, name, fn=fn, kind="int" if integer else None, values=True)  # values are read
 
 
-def _non_negative_int(value, name: str) -> int:
-    return check_int(value, name, 0)
+def _non_negative_int(value, name: str, fn: str) -> int:
+    return check_int(value, name, 0, fn=fn)
 
 
 def _index_str(name: str, idx: tuple[int, ...]) -> str:
@@ -74,11 +77,12 @@ def _first_true(mask: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(hits[0].tolist()) if hits.shape[0] else None
 
 
-def _checked_seq_lens(seq_lens, seq_len, sentinel: int, name: str = "seq_lens") -> torch.Tensor:
+def _checked_seq_lens(seq_lens, seq_len, sentinel: int, fn: str,
+                      name: str = "seq_lens") -> torch.Tensor:  # fmt: skip
     """Validate per-row lengths and return int64 ``[batch, documents]`` real
-    lengths with sentinel slots replaced by 0."""
-    _require_tensor(seq_lens, name, integer=True)
-    sentinel = check_int(sentinel, "sentinel/padding_value")
+    lengths with sentinel slots replaced by 0 (``fn``: the caller, for type errors)."""
+    _require_tensor(seq_lens, name, fn, integer=True)
+    sentinel = check_int(sentinel, "sentinel/padding_value", fn=fn)
     if sentinel >= 0:
         raise ValueError(
             f"sentinel/padding_value = {sentinel} must be negative: "
@@ -162,8 +166,9 @@ def doc_ids_from_cu_seqlens(
         ``doc_ids_from_cu_seqlens(tensor([0, 3, 5]), 7) -> [[1, 1, 1, 2, 2, 0, 0]]``;
         ``tensor([0, 3, 3, 5])`` gives the same map (zero-length doc dropped).
     """
-    seq_len = _non_negative_int(seq_len, "seq_len")
-    _require_tensor(cu_seqlens, name, integer=True)
+    fn = "doc_ids_from_cu_seqlens"
+    seq_len = _non_negative_int(seq_len, "seq_len", fn)
+    _require_tensor(cu_seqlens, name, fn, integer=True)
     if cu_seqlens.dim() == 2 and cu_seqlens.shape[0] == 1:
         cu_seqlens = cu_seqlens[0]
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
@@ -206,8 +211,9 @@ def doc_ids_from_seq_lens(
         ``doc_ids_from_seq_lens(tensor([[2, 1, -1000], [4, -1000, -1000]]), 5)``
         ``-> [[1, 1, 2, 0, 0], [1, 1, 1, 1, 0]]``
     """
-    seq_len = _non_negative_int(seq_len, "seq_len")
-    lens = _checked_seq_lens(seq_lens, seq_len, padding_value)
+    fn = "doc_ids_from_seq_lens"
+    seq_len = _non_negative_int(seq_len, "seq_len", fn)
+    lens = _checked_seq_lens(seq_lens, seq_len, padding_value, fn)
     # Exclusive cumsum: every start (sentinel slots included) is <= seq_len.
     ends = lens.cumsum(dim=1)
     return _doc_ids_from_starts(ends - lens, lens.sum(dim=1), seq_len)
@@ -221,8 +227,8 @@ def _doc_ids_from_changes(row: torch.Tensor, changed: torch.Tensor) -> torch.Ten
     return starts.to(torch.int64).cumsum(dim=1)
 
 
-def _row_stream(t, name: str) -> torch.Tensor:
-    _require_tensor(t, name, integer=True)
+def _row_stream(t, name: str, fn: str) -> torch.Tensor:
+    _require_tensor(t, name, fn, integer=True)
     if t.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [batch, sequence]")
     return t
@@ -244,7 +250,7 @@ def doc_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
     Example: ``[[0, 1, 2, 0, 1, 7]] -> [[1, 1, 1, 2, 2, 3]]``
     """
-    pos = _row_stream(position_ids, "position_ids").to(torch.int64)
+    pos = _row_stream(position_ids, "position_ids", "doc_ids_from_position_ids").to(torch.int64)
     return _doc_ids_from_changes(pos, pos[:, 1:] != pos[:, :-1] + 1)
 
 
@@ -255,7 +261,7 @@ def doc_ids_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
 
     Example: ``[[0, 0, 1, 1, 1, 4]] -> [[1, 1, 2, 2, 2, 3]]``
     """
-    idx = _row_stream(seq_idx, "seq_idx")
+    idx = _row_stream(seq_idx, "seq_idx", "doc_ids_from_seq_idx")
     return _doc_ids_from_changes(idx, idx[:, 1:] != idx[:, :-1])
 
 
@@ -297,7 +303,7 @@ def segment_cu_seqlens(doc_ids_row: torch.Tensor) -> torch.Tensor:
         ``segment_cu_seqlens(tensor([1, 1, 1, 2, 2, 0, 0])) -> [0, 3, 5, 7]``
     """
     name = "doc_ids_row"
-    _require_tensor(doc_ids_row, name, integer=True)
+    _require_tensor(doc_ids_row, name, "segment_cu_seqlens", integer=True)
     if doc_ids_row.dim() == 2 and doc_ids_row.shape[0] == 1:
         doc_ids_row = doc_ids_row[0]
     if doc_ids_row.dim() != 1:
@@ -333,7 +339,8 @@ def packed_boundaries_from_seq_lens(
     Example:
         ``packed_boundaries_from_seq_lens(tensor([3, 0, 2, -1000]), 8) -> [0, 3, 5, 8]``
     """
-    lens = _checked_seq_lens(seq_lens, None, sentinel)
+    fn = "packed_boundaries_from_seq_lens"
+    lens = _checked_seq_lens(seq_lens, None, sentinel, fn)
     if lens.shape[0] != 1:
         raise ValueError(
             f"seq_lens has batch {lens.shape[0]} (shape {tuple(seq_lens.shape)}); "
@@ -346,7 +353,7 @@ def packed_boundaries_from_seq_lens(
     packed = int(bounds[-1])
     if total_tokens is None:
         return bounds
-    total_tokens = _non_negative_int(total_tokens, "total_tokens")
+    total_tokens = _non_negative_int(total_tokens, "total_tokens", fn)
     if total_tokens < packed:
         raise ValueError(
             f"total_tokens = {total_tokens} is smaller than the packed length {packed} of seq_lens"
@@ -411,13 +418,12 @@ def validate_doc_ids(doc_ids: torch.Tensor, name: str = "doc_ids") -> None:
     """Check that ``doc_ids`` is int64 ``[batch, sequence]`` with every row of
     the form ``1,..,1,2,..,2,...,n,..,n,0,..,0``: the first real id is 1, each
     step is +0 or +1, and zeros appear only in a tail.  Raises ``ValueError``
-    naming the first violating ``[row, position]``; returns None.
+    naming the first violating ``[row, position]`` (another dtype, or not a tensor:
+    :class:`~fcp.checks.ArgumentTypeError`); returns None.
 
     Example: ``[[1, 1, 3, 0]]`` -> ``ValueError: doc_ids[0, 2] = 3 follows 1 ...``
     """
-    _require_tensor(doc_ids, name)
-    if doc_ids.dtype != torch.int64:
-        raise ValueError(f"{name} has dtype {doc_ids.dtype}; expected torch.int64")
+    check_tensor(doc_ids, name, fn="validate_doc_ids", dtype=torch.int64, values=True)
     if doc_ids.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(doc_ids.shape)}; expected [batch, sequence]")
     if doc_ids.numel() == 0:
@@ -461,11 +467,12 @@ def validate_right_tail_mask(
     Example: ``tensor([[1, 1, 0]])`` -> ``[[True, True, False]]``;
     ``tensor([[1, 0, 1]])`` -> ``ValueError: attention_mask[0, 2] = 1 follows a 0 ...``
     """
-    _require_tensor(mask, name)
+    fn = "validate_right_tail_mask"
+    _require_tensor(mask, name, fn)
     if mask.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(mask.shape)}; expected [batch, sequence]")
     if like is not None:
-        _require_tensor(like, "like")
+        _require_tensor(like, "like", fn)
         if like.dim() < 2 or tuple(like.shape[:2]) != tuple(mask.shape):
             raise ValueError(
                 f"{name} has shape {tuple(mask.shape)} but the tensor it describes has "
@@ -473,7 +480,9 @@ def validate_right_tail_mask(
             )
     if mask.dtype != torch.bool:
         if mask.dtype.is_complex:
-            raise ValueError(f"{name} has dtype {mask.dtype}; expected bool, int or float")
+            raise ArgumentTypeError(
+                f"{fn}: {name} must be bool, int or float, got dtype {mask.dtype}"
+            )
         # NaN fails both comparisons, so it is reported as non-binary too.
         hit = _first_true(~((mask == 0) | (mask == 1)))
         if hit is not None:

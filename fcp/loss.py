@@ -20,13 +20,13 @@ One all-reduce of two fp32 scalars per step (funcol: compiles, no host synchroni
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
 
 from fcp.checks import check_positive_int, check_tensor
-from fcp.groups import resolve_group
+from fcp.groups import GroupLike, resolve_group
 
 __all__ = ["GlobalMean", "global_token_mean", "loss_token_count"]
 
@@ -62,7 +62,7 @@ def loss_token_count(labels: torch.Tensor, ignore_index: int = -100) -> torch.Te
 def global_token_mean(
     loss_sum: torch.Tensor,
     loss_tokens: torch.Tensor | int,
-    group: Any = None,
+    group: GroupLike = None,
     *,
     gradient_divide_factor: int = 1,
 ) -> GlobalMean:
@@ -71,8 +71,10 @@ def global_token_mean(
     Args:
         loss_sum: scalar, the sum of this rank's per-token losses (differentiable).
         loss_tokens: this rank's number of loss tokens (int or integer scalar tensor; 0 is fine).
-        group: every rank holding part of the global batch (a ``ProcessGroup``, a 1-D
-            ``DeviceMesh`` such as a flattened ``("dp", "cp")`` mesh, or ``None``: one process).
+        group: every rank holding part of the global batch, a :data:`~fcp.groups.GroupLike`
+            (a ``ProcessGroup``, a 1-D ``DeviceMesh`` such as a flattened ``("dp", "cp")`` mesh,
+            a ``GroupInfo``, or ``None``: one process). A raw group, not a context: the loss
+            spans the data-parallel ranks too.
         gradient_divide_factor: what the gradient reduction divides by: the group size for
             FSDP2's / DDP's default averaging, 1 for a summing reduction.
 
@@ -81,8 +83,8 @@ def global_token_mean(
         global number of loss tokens (at least 1, so an all-padding batch gives 0, not NaN).
         After the gradient reduction every rank's gradient is the gradient of the global mean.
     """
-    info = resolve_group(group)
     name = "global_token_mean"
+    info = resolve_group(group, fn=name)
     gradient_divide_factor = check_positive_int(gradient_divide_factor, "gradient_divide_factor",
                                                 fn=name)  # fmt: skip
     check_tensor(loss_sum, "loss_sum", fn=name, kind="float", dim=0, layout="a scalar")

@@ -85,9 +85,9 @@ import torch
 import torch.distributed as dist
 
 from fcp.checks import check_bool, check_float, check_instance, check_int, check_tensor
-from fcp.comm import all_gather_sequence
+from fcp.comm import all_gather_group, all_gather_sequence
 from fcp.context import PackedContext
-from fcp.groups import GroupInfo, resolve_group
+from fcp.groups import GroupInfo, GroupLike, resolve_group
 from fcp.layout import (
     PAD_DOC_ID,
     doc_ids_from_cu_seqlens,
@@ -375,15 +375,16 @@ class BatchAgreement:
     exchange (the caller guarantees agreement). Eager only.
 
     Args:
-        cp_mesh: the CP group (``None``, ``ProcessGroup``, 1-D ``DeviceMesh`` or ``GroupInfo``).
+        cp_mesh: the CP group, a :data:`~fcp.groups.GroupLike` (``None``, ``ProcessGroup``,
+            1-D ``DeviceMesh`` or ``GroupInfo``).
         fn: the sharder's name, for messages.
         enabled: whether to exchange at all.
         join_timeout: seconds to wait for the other ranks (:data:`JOIN_TIMEOUT_S` by default).
     """
 
-    def __init__(self, cp_mesh: Any, fn: str, *, enabled: bool = True,
+    def __init__(self, cp_mesh: GroupLike, fn: str, *, enabled: bool = True,
                  join_timeout: float = JOIN_TIMEOUT_S) -> None:  # fmt: skip
-        self.info: GroupInfo = resolve_group(cp_mesh)
+        self.info: GroupInfo = resolve_group(cp_mesh, name="cp_mesh", fn=fn)
         self.fn = fn
         enabled = check_bool(enabled, "check_agreement", fn=fn)
         self.join_timeout = check_float(join_timeout, "join_timeout", fn=fn, positive=True)
@@ -485,7 +486,7 @@ def _summary(doc_ids: torch.Tensor, original_seq_len: int) -> list[int]:
 def _first_difference(doc_ids: torch.Tensor, info: GroupInfo) -> str:
     """The failure path's second exchange: every rank's map, and where the first one differs."""
     mine = doc_ids.unsqueeze(0).to(_exchange_device(info.group))
-    maps = all_gather_sequence(mine, info, dim=0, differentiable=False, validate=False).cpu()
+    maps = all_gather_group(mine, info, dim=0, differentiable=False, validate=False).cpu()
     differs = (maps != maps[:1]).flatten(1)  # [ranks, batch * padded]
     ranks = [r for r in range(info.size) if bool(differs[r].any())]
     first = min(ranks, key=lambda r: int(differs[r].int().argmax()))
@@ -509,7 +510,7 @@ def _exchange_device(group: Any) -> torch.device:
 
 
 def shard_batch(
-    cp_mesh: Any,
+    cp_mesh: GroupLike,
     batch: Mapping[str, Any],
     *,
     loss_mask: torch.Tensor | None = None,
@@ -525,7 +526,8 @@ def shard_batch(
     """Validate, pad and contiguously shard a (packed) batch for this CP rank.
 
     Args:
-        cp_mesh: 1-D ``DeviceMesh``, ``ProcessGroup`` or ``None`` (no CP).
+        cp_mesh: the CP group, a :data:`~fcp.groups.GroupLike`: 1-D ``DeviceMesh``,
+            ``ProcessGroup``, ``GroupInfo`` or ``None`` (no CP).
         batch: full-sequence batch, identical on every CP rank, never mutated. Token streams
             ``[batch, sequence]`` (``[sequence]`` rows from THD collaters are accepted):
             exactly one of ``input_ids`` (integer) / ``inputs_embeds`` (float
@@ -766,14 +768,15 @@ def padded_length(seq_len: int, multiple: int, pad_to: int | str | None = None) 
 
 
 def gather_sequence(
-    local: torch.Tensor, context: PackedContext, dim: int = 1, *, unpad: bool = True
+    local: torch.Tensor, ctx: PackedContext, dim: int = 1, *, unpad: bool = True
 ) -> torch.Tensor:
     """Inverse of sharding: this rank's ``[batch, local_seq, ...]`` slice back to the full row.
 
+    ``ctx`` is the rank's :class:`~fcp.context.PackedContext` from :func:`shard_batch`.
     Gradients flow back to the owning ranks (reduce-scatter). ``unpad=True`` drops the CP padding
     (returns ``original_seq_len`` positions along ``dim``).
     """
-    full = all_gather_sequence(local, context, dim=dim)
-    if unpad and context.original_seq_len is not None:
-        full = full.narrow(dim, 0, context.original_seq_len)
+    full = all_gather_sequence(local, ctx, dim=dim)
+    if unpad and ctx.original_seq_len is not None:
+        full = full.narrow(dim, 0, ctx.original_seq_len)
     return full

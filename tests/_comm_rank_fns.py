@@ -11,6 +11,7 @@ import torch
 
 from fcp.comm import (
     all_gather_backward_anchor,
+    all_gather_group,
     all_gather_sequence,
     left_halo,
     state_chain,
@@ -30,7 +31,10 @@ def gather_fwd_bwd(env, full: torch.Tensor, weights: torch.Tensor, dim: int, sha
     x = full.narrow(dim, env.rank * n, n).clone().requires_grad_()
     local_len = n * shard_div
     ctx = _ctx(env, 1, local_len)
-    out = all_gather_sequence(x, ctx if shard_div > 1 else env.group, dim=dim)
+    if shard_div > 1:  # a compressed stream: the context form checks the fraction statically
+        out = all_gather_sequence(x, ctx, dim=dim)
+    else:
+        out = all_gather_group(x, env.group, dim=dim)
     (out.float() * weights[env.rank]).sum().backward()
     return out.detach(), x.grad
 
@@ -38,13 +42,13 @@ def gather_fwd_bwd(env, full: torch.Tensor, weights: torch.Tensor, dim: int, sha
 def gather_not_differentiable(env, full: torch.Tensor):
     n = full.shape[1] // env.world_size
     x = full[:, env.rank * n : (env.rank + 1) * n].clone()
-    out = all_gather_sequence(x, env.group, dim=1, differentiable=False)
+    out = all_gather_group(x, env.group, dim=1, differentiable=False)
     return out, out.requires_grad
 
 
 def gather_unequal(env):
     x = torch.zeros(1, 2 + env.rank, 3)
-    return all_gather_sequence(x, env.group, dim=1)
+    return all_gather_group(x, env.group, dim=1)
 
 
 def halo_fwd_bwd(env, full: torch.Tensor, history: int, weights: torch.Tensor):
@@ -118,7 +122,7 @@ def anchor_case(env, full: torch.Tensor, idle_rank: int, use_anchor: bool):
     """Rank ``idle_rank``'s loss ignores the gathered tensor (e.g. it holds only padding)."""
     n = full.shape[1] // env.world_size
     x = full[:, env.rank * n : (env.rank + 1) * n].clone().requires_grad_()
-    gathered = all_gather_sequence(x, env.group, dim=1)
+    gathered = all_gather_group(x, env.group, dim=1)
     if env.rank == idle_rank:
         loss = (x * 2.0).sum()
     else:

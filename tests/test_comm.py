@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fcp.checks import ArgumentTypeError
 from fcp.comm import (
     all_gather_backward_anchor,
+    all_gather_group,
     all_gather_sequence,
     halo_plan,
     left_halo,
@@ -15,6 +17,7 @@ from fcp.comm import (
     with_left_halo,
 )
 from fcp.context import PackedContext
+from fcp.groups import GroupInfo
 from tests.support.rank_pool import RankError
 from tests import _comm_rank_fns as fns
 
@@ -23,12 +26,30 @@ from tests import _comm_rank_fns as fns
 def test_cp_off_functions_are_identities_without_a_process_group():
     x = torch.randn(2, 5, 3, requires_grad=True)
     ctx = PackedContext(torch.ones(2, 5, dtype=torch.long))
-    assert all_gather_sequence(x, None) is x
+    assert all_gather_group(x, None) is x
     assert all_gather_sequence(x, ctx) is x
     halo = left_halo(x, ctx, 3)
     assert halo.shape == (2, 3, 3) and not halo.any()
     s_in = state_chain(torch.randn(2, 4, 4), torch.randn(2, 4, 6, dtype=torch.bfloat16), ctx)
     assert s_in.dtype == torch.float32 and s_in.shape == (2, 4, 6) and not s_in.any()
+
+
+def test_collectives_take_a_context_and_the_group_form_a_group():
+    # one vocabulary: ctx: PackedContext right after the tensors; a raw group only in
+    # all_gather_group, named apart (a wrong type is an ArgumentTypeError naming the function)
+    x = torch.randn(1, 4, 2)
+    ctx = PackedContext(torch.ones(1, 4, dtype=torch.long))
+    with pytest.raises(ArgumentTypeError, match=r"^all_gather_sequence: ctx must be a "
+                                                r"PackedContext, got None .*all_gather_group"):
+        all_gather_sequence(x, None)
+    for call, fn in ((lambda: left_halo(x, None, 1), "left_halo"),
+                     (lambda: with_left_halo(x, None, 1), "with_left_halo"),
+                     (lambda: state_chain(torch.eye(2), torch.ones(2, 3), None), "state_chain")):
+        with pytest.raises(ArgumentTypeError, match=rf"^{fn}: ctx must be a PackedContext"):
+            call()
+    with pytest.raises(ArgumentTypeError, match=r"^all_gather_group: group must be None, a "):
+        all_gather_group(x, ctx)
+    assert all_gather_group(x, GroupInfo(None, 1, 0), dtype=torch.float64).dtype == torch.float64
 
 
 def test_halo_plan_sends_history_tokens_to_the_next_rank_only():

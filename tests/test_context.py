@@ -171,3 +171,39 @@ def test_dataclasses_replace_over_all_fields_works():
     ctx.row_cu_seqlens(0)
     again = dataclasses.replace(ctx, **{f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)})
     assert again == ctx and again.memo("k", lambda: 1) == 1 and "k" not in ctx._memo
+
+
+# ------------------------------------------------------------------ one vocabulary, one check
+_OPERATORS = {  # operator -> (module, the tensors before ctx)
+    "short_conv": ("fcp.ops.conv", 3),
+    "doc_causal_attention": ("fcp.ops.doc_causal", 3),
+    "compressed_attention": ("fcp.ops.compressed", 3),
+    "index_attention": ("fcp.ops.index_attention", 4),
+    "kpool_indexer": ("fcp.ops.kpool_indexer", 5),
+    "qsa_indexer": ("fcp.ops.qsa_indexer", 6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OPERATORS))
+def test_operators_take_ctx_after_their_tensors_and_check_it_once(name):
+    import ast
+    import importlib
+    import inspect
+    import textwrap
+
+    from fcp.checks import ArgumentTypeError
+
+    module, n_tensors = _OPERATORS[name]
+    op = getattr(importlib.import_module(module), name)
+    params = list(inspect.signature(op).parameters.values())
+    assert params[n_tensors].name == "ctx", [p.name for p in params]
+    assert params[n_tensors].annotation in ("PackedContext", PackedContext)
+    # the dispatcher's one context check (PackedContext validated itself when it was built)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(op)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", None) == "check_context"]  # fmt: skip
+    assert len(calls) == 1, name
+    with pytest.raises(ArgumentTypeError, match=rf"^{name}: ctx must be a PackedContext"):
+        op(*[torch.zeros(1)] * n_tensors, object(), **(
+            {"topk": 4, "kpool": 4} if name == "kpool_indexer" else
+            {"budget": 4, "ratio": 4} if name == "qsa_indexer" else {}))

@@ -11,6 +11,8 @@ import torch
 import torch._dynamo
 import torch._dynamo.testing
 
+from fcp.checks import ArgumentTypeError
+from fcp.groups import GroupInfo, mesh_size, resolve_group
 from fcp.layout import (
     PAD_DOC_ID,
     SEQ_LENS_SENTINEL,
@@ -273,7 +275,7 @@ def test_validate_doc_ids_accepts_valid_maps():
         (T([[1, 0, 2]]), r"doc_ids\[0, 2\] = 2 follows pad"),
         (T([[0, 1]]), r"doc_ids\[0, 1\] = 1 follows pad"),
         (T([[1, -1]]), r"doc_ids\[0, 1\] = -1 is negative"),
-        (T([[1, 1]], dtype=torch.int32), r"doc_ids has dtype torch.int32; expected torch.int64"),
+        (T([[1, 1]], dtype=torch.int32), r"validate_doc_ids: doc_ids must have dtype torch.int64, got torch.int32"),
         (T([1, 1]), r"doc_ids has shape \(2,\); expected \[batch, sequence\]"),
     ],
 )
@@ -331,3 +333,37 @@ def test_validate_right_tail_mask_custom_name():
 
 def test_pad_doc_id_is_zero():
     assert PAD_DOC_ID == 0
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: validate_doc_ids(T([[1, 1]], dtype=torch.int32)),
+         r"^validate_doc_ids: doc_ids must have dtype torch.int64, got torch.int32$"),
+        (lambda: validate_doc_ids([[1, 1]]), r"^validate_doc_ids: doc_ids must be a torch.Tensor"),
+        (lambda: validate_right_tail_mask(T([[1, 0]], dtype=torch.complex64)),
+         r"^validate_right_tail_mask: attention_mask must be bool, int or float, got dtype"),
+        (lambda: doc_ids_from_cu_seqlens(T([0, 3]), 2.5),
+         r"^doc_ids_from_cu_seqlens: seq_len must be an int, got 2.5 \(float\)$"),
+        (lambda: doc_ids_from_seq_lens(T([[1.0]]), 4),
+         r"^doc_ids_from_seq_lens: seq_lens must be an integer dtype, got dtype torch.float32$"),
+        (lambda: segment_cu_seqlens([1, 1]), r"^segment_cu_seqlens: doc_ids_row must be a torch"),
+    ],
+)
+def test_wrong_types_and_dtypes_are_argument_type_errors(call, match):
+    # the rule of fcp.checks: a TypeError that `except ValueError` catches too, naming the function
+    with pytest.raises(ArgumentTypeError, match=match) as info:
+        call()
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+
+
+def test_groups_follow_the_checks_rule():
+    with pytest.raises(ArgumentTypeError, match=r"^resolve_group: group must be None, a torch"):
+        resolve_group("world")
+    with pytest.raises(ArgumentTypeError, match=r"^shard_batch: cp_mesh must be None"):
+        resolve_group(3, name="cp_mesh", fn="shard_batch")
+    with pytest.raises(ArgumentTypeError, match=r"^mesh_size: mesh must be None"):
+        mesh_size(object())
+    assert resolve_group(None) == GroupInfo(None, 1, 0)
+    assert resolve_group(GroupInfo(None, 1, 0)) == GroupInfo(None, 1, 0)
+    assert mesh_size(None) == 1 and mesh_size(GroupInfo(object(), 4, 2)) == 4

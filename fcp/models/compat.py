@@ -3,7 +3,7 @@
 * :func:`shard_layout` builds the third value a seed sharder returns: NeMo AutoModel's own
   ``ShardLayout`` when ``nemo_automodel`` is importable (so ``isinstance`` checks and equality in
   NeMo's training loop hold), else :class:`ShardLayout`, a frozen dataclass with the same fields,
-  defaults and order. NeMo is looked up on each call, never at import: importing it costs ~1.5 s
+  defaults and order. NeMo is looked up on each call, never at import: importing it is slow
   and fcp does not depend on it.
 * :class:`UnsupportedBatchError`, :class:`MissingBatchKeyError` and :class:`NegativeLengthError`
   are the errors a seed adapter raises where NeMo raises ``NotImplementedError`` / ``KeyError`` /

@@ -15,7 +15,7 @@ valid input; the work is fcp's:
 seed name                       delegates to
 =============================== ===============================================================
 ``Glm5NextPackedContext``       :class:`fcp.context.PackedContext` (``to_packed_context``)
-``all_gather_sequence``         :func:`fcp.comm.all_gather_sequence` (funcol, compile-safe)
+``all_gather_sequence``         :func:`fcp.comm.all_gather_group` (funcol, compile-safe)
 ``all_gather_backward_anchor``  :func:`fcp.comm.all_gather_backward_anchor`, shaped ``(B, 1, 1)``
 ``build_fla_cp_context``        ``fcp.ops.kit.fla.build_fla_cp_context`` (FLA imported lazily)
 ``doc_ids_from_cu_seqlens``     :func:`fcp.layout.doc_ids_from_cu_seqlens`, NeMo's numbering
@@ -141,7 +141,7 @@ import torch.distributed as dist
 
 from fcp.checks import check_instance, check_int, check_tensor
 from fcp.comm import all_gather_backward_anchor as core_backward_anchor
-from fcp.comm import all_gather_sequence as core_all_gather_sequence
+from fcp.comm import all_gather_group
 from fcp.comm import dependent_zeros
 from fcp.context import PackedContext, check_context
 from fcp.groups import resolve_group
@@ -348,7 +348,8 @@ class Glm5NextPackedContext:
     @classmethod
     def from_packed_context(cls, context: PackedContext) -> "Glm5NextPackedContext":
         """The NeMo view (int32 ids) of a core context; ``to_packed_context(group)`` returns it."""
-        context = check_context(context, fn="Glm5NextPackedContext.from_packed_context")
+        context = check_context(context, fn="Glm5NextPackedContext.from_packed_context",
+                                name="context")
         return cls._of_core(context, context.doc_ids.to(torch.int32))
 
     def _memo(self) -> _HostMemo:
@@ -366,7 +367,7 @@ class Glm5NextPackedContext:
         values: the sharder's context returns the sharder's core, also after
         ``dataclasses.replace`` / FSDP's input cast; after a field is assigned, a new one.
         """
-        info = resolve_group(cp_group)
+        info = resolve_group(cp_group, name="cp_group", fn="to_packed_context")
         memo = self._memo()
         core = memo.core(self, info.group)
         if core is None:
@@ -544,7 +545,8 @@ def build_fla_cp_context(
     index, rows = check_int(row, "row"), packed_context.batch_size
     if not -rows <= index < rows:
         raise IndexError(f"index {index} is out of bounds for dimension 0 with size {rows}")
-    return plan(packed_context, index % rows, resolve_group(group).group, conv_kernel_size)
+    info = resolve_group(group, name="cp_group", fn="build_fla_cp_context")
+    return plan(packed_context, index % rows, info.group, conv_kernel_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,10 +574,10 @@ class _AllGatherSequence(torch.autograd.Function):
     def forward(ctx, local_tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
         group = _default_group() if group is None else group
         if not (local_tensor.is_floating_point() or local_tensor.is_complex()):
-            return core_all_gather_sequence(local_tensor, group, dim, differentiable=False)
+            return all_gather_group(local_tensor, group, dim, differentiable=False)
         with torch.enable_grad():
             leaf = local_tensor.detach().requires_grad_()
-            gathered = core_all_gather_sequence(leaf, group, dim)
+            gathered = all_gather_group(leaf, group, dim)
         ctx.leaf, ctx.gathered = leaf, gathered
         return gathered.detach()
 
@@ -606,13 +608,13 @@ class _AllGatherBackwardAnchor(torch.autograd.Function):
 def all_gather_sequence(tensor: torch.Tensor, cp_group: Any, *, dim: int = 1) -> torch.Tensor:
     """Gather a sequence-sharded tensor while preserving K/V gradient flow.
 
-    :func:`fcp.comm.all_gather_sequence`: equal contiguous shards concatenated in rank order
+    :func:`fcp.comm.all_gather_group`: equal contiguous shards concatenated in rank order
     along ``dim``; backward sends each rank the sum over ranks of its slice's gradient (one
     reduce-scatter). ``cp_group``: ``ProcessGroup`` or 1-D ``DeviceMesh``; ``None`` is the
     default group, as in NeMo.
     """
     group = _default_group() if cp_group is None else cp_group
-    return core_all_gather_sequence(tensor, group, dim)
+    return all_gather_group(tensor, group, dim)
 
 
 def all_gather_backward_anchor(gathered: torch.Tensor) -> torch.Tensor:

@@ -52,13 +52,11 @@ raises ``ValueError`` / ``TypeError`` naming the argument and value, identically
 before any collective that depends on the batch and before touching the batch; NeMo mutates the
 batch before some errors):
 
-* ``[ranks]`` CP ranks holding different batches (rows, length or document map), or some of them
-  rejecting theirs: every rank raises ``ValueError`` naming the ranks and what differs, after one
-  exchange of 48 bytes per rank through the group's store (:class:`fcp.shard.BatchAgreement`);
-  a CP rank that never joins it (it passed another group or ``None``) makes the others raise a
-  ``RuntimeError`` naming it after ``fcp.shard.JOIN_TIMEOUT_S`` seconds. NeMo runs on with
-  corrupted outputs (same length), fails inside a collective on some ranks only, or waits for
-  the collective timeout.
+* ``[ranks]`` CP ranks holding different batches, or some of them rejecting theirs: the same
+  agreement check as the GLM-5.3-Flash module's (:class:`fcp.shard.BatchAgreement`, 48 bytes per
+  rank through the group's store), so every rank raises one ``ValueError`` naming the ranks and
+  what differs, and a rank that never joins is named in a ``RuntimeError``. NeMo runs on
+  with corrupted outputs, fails inside a collective on some ranks only, or hangs.
 * ``[non-tensor]`` a list or other non-tensor where a tensor is expected (``cu_seqlens``,
   ``seq_lens``, masks, ``labels``, ``position_ids``, ``loss_mask``, the context's tensors):
   NeMo raises ``AttributeError`` or ignores it.
@@ -258,7 +256,7 @@ class Qwen3_8_FlashNextCPContext:
                 raise ValueError(f"group is None but size={size}; CP needs a process group")
             info = resolve_group(None)
         else:
-            info = resolve_group(self.group)
+            info = resolve_group(self.group, fn="Qwen3_8_FlashNextCPContext")
             if info.size != size or info.rank != rank:
                 raise ValueError(
                     f"group has {info.size} rank(s) and this process is its rank {info.rank}, "
@@ -604,7 +602,7 @@ def shard_batch_for_qwen3_8_flash_next_cp(
     # every CP rank joins one exchange, so ranks holding different batches all raise
     with BatchAgreement(cp_mesh, "shard_batch_for_qwen3_8_flash_next_cp") as agreement:
         check_instance(batch, MutableMapping, "batch", fn="shard_batch_for_qwen3_8_flash_next_cp")
-        if mesh_size(tp_mesh) > 1:
+        if mesh_size(tp_mesh, name="tp_mesh", fn="shard_batch_for_qwen3_8_flash_next_cp") > 1:
             raise UnsupportedBatchError(
                 "Qwen3.8-Flash-Next context parallelism cannot be composed with tensor parallelism"
             )

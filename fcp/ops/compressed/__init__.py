@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from fcp.checks import check_positive_int
-from fcp.context import PackedContext
+from fcp.context import PackedContext, check_context
 from fcp.ops.compressed.dense import compressed_dense
 from fcp.ops.compressed.flex import compressed_flex
 from fcp.ops.kit.attention import SOFTMAX_BACKENDS, attention_backend, check_qkv
@@ -46,7 +46,7 @@ BACKENDS = SOFTMAX_BACKENDS
 _RUN = {"dense": compressed_dense, "flex": compressed_flex}
 
 
-def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: PackedContext,
+def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PackedContext,
                          ratio: int = 4, window: int | None = None, scale: float | None = None, *,
                          query_chunk: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Attention over same-document compressed blocks plus an exact local window.
@@ -54,7 +54,7 @@ def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cont
     Args:
         q, k, v: ``[batch, local_seq, heads | kv_heads, D]`` as in
             :func:`~fcp.ops.doc_causal.doc_causal_attention` (GQA allowed).
-        context: the rank's :class:`~fcp.context.PackedContext`.
+        ctx: the rank's :class:`~fcp.context.PackedContext`.
         ratio: tokens per compressed block.
         window: exact-key window (``t - window < s <= t``), default ``ratio``; ``>= 1``.
         scale: softmax scale, default ``D ** -0.5``.
@@ -75,13 +75,14 @@ def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cont
     itself (block ``[2, 4)`` ends after it).
     """
     name = "compressed_attention"
-    check_qkv(name, q, k, v, context)
+    check_context(ctx, fn=name)
+    check_qkv(name, q, k, v, ctx)
     ratio = check_positive_int(ratio, "ratio", fn=name)
     window = ratio if window is None else check_positive_int(window, "window", fn=name)
     backend = attention_backend(name, backend, q)
     scale = default_scale(q.shape[-1], scale)
-    local = context.local_seq_len
-    if context.cp_enabled and local % ratio:
+    local = ctx.local_seq_len
+    if ctx.cp_enabled and local % ratio:
         raise ValueError(
             f"{name}: under CP the local sequence length {local} must be a multiple of "
             f"ratio={ratio} (pad the global length to a multiple of cp_size * ratio)"
@@ -90,5 +91,5 @@ def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cont
         query_chunk = check_positive_int(query_chunk, "query_chunk", fn=name)
     q, k, v = finite_or_zero(q), finite_or_zero(k), finite_or_zero(v)
     with autocast_off(q.device):
-        out = _RUN[backend](q, k, v, context, ratio, window, scale, query_chunk)
+        out = _RUN[backend](q, k, v, ctx, ratio, window, scale, query_chunk)
     return zero_nonfinite_grad(out)

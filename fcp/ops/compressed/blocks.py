@@ -41,19 +41,19 @@ class CompressedKeys(NamedTuple):
     gathered: torch.Tensor  # the full all-gather result (for the backward anchor)
 
 
-def compressed_keys(k, v, context: PackedContext, ratio: int, window: int) -> CompressedKeys:
+def compressed_keys(k, v, ctx: PackedContext, ratio: int, window: int) -> CompressedKeys:
     """The keys of compressed attention for this rank's queries (see the module docstring)."""
     kv = torch.cat([k, v], -1)
-    start, end, local = context.seq_start, context.seq_end, context.local_seq_len
-    gathered = all_gather_sequence(compress_blocks(kv, ratio), context, dtype=torch.float32)
+    start, end, local = ctx.seq_start, ctx.seq_end, ctx.local_seq_len
+    gathered = all_gather_sequence(compress_blocks(kv, ratio), ctx, dtype=torch.float32)
     nc = min(max(end - 1, 0) // ratio, gathered.shape[1])
-    ext = with_left_halo(kv, context, window - 1, dtype=torch.float32)  # fp32 backward sums
+    ext = with_left_halo(kv, ctx, window - 1, dtype=torch.float32)  # fp32 backward sums
     return CompressedKeys(
         blocks=gathered[:, :nc],
-        block_doc=full_block_doc_ids(context.doc_ids, ratio, nc),
+        block_doc=full_block_doc_ids(ctx.doc_ids, ratio, nc),
         block_index=torch.arange(nc, device=k.device),
         ext=ext,
-        ext_doc=doc_ids_window(context.doc_ids, start - (window - 1), local + window - 1),
+        ext_doc=doc_ids_window(ctx.doc_ids, start - (window - 1), local + window - 1),
         halo=ext[:, : window - 1],
         gathered=gathered,
     )

@@ -24,11 +24,11 @@ BACKENDS = ("masked", "fla_varlen")
 ACTIVATIONS = (None, "silu", "swish")
 
 
-def check_conv_inputs(x, weight, bias, context: PackedContext, activation, dilation=1) -> int:
-    """Arguments of :func:`short_conv` (the :mod:`fcp.checks` rule); returns ``dilation``."""
+def check_conv_inputs(x, weight, bias, ctx: PackedContext, activation, dilation=1) -> int:
+    """Arguments of :func:`short_conv` (the :mod:`fcp.checks` rule); returns ``dilation``.
+    ``ctx`` is already checked by the dispatcher (its one :func:`~fcp.context.check_context`)."""
     name = "short_conv"
     dilation = check_positive_int(dilation, "dilation", fn=name)
-    check_context(context, fn=name)
     check_choice(activation, "activation", ACTIVATIONS, fn=name)
     check_tensor(x, "x", fn=name, kind="float", dim=3, layout="[batch, local_seq, channels]")
     check_tensor(weight, "weight", fn=name, kind="float", dim=2, layout="[channels, width]")
@@ -37,16 +37,16 @@ def check_conv_inputs(x, weight, bias, context: PackedContext, activation, dilat
         raise ValueError(f"{name}: weight {tuple(weight.shape)} does not match x channels {x.shape[-1]}")
     if bias is not None:
         check_tensor(bias, "bias", fn=name, kind="float", shape=(channels,))
-    if x.shape[0] != context.batch_size or x.shape[1] != context.local_seq_len:
+    if x.shape[0] != ctx.batch_size or x.shape[1] != ctx.local_seq_len:
         raise ValueError(
             f"{name}: x is [batch={x.shape[0]}, local_seq={x.shape[1]}] but the context has batch "
-            f"{context.batch_size} and local_seq_len {context.local_seq_len}"
+            f"{ctx.batch_size} and local_seq_len {ctx.local_seq_len}"
         )
     return dilation
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               context: PackedContext, activation: str | None = None, *, dilation: int = 1,
+               ctx: PackedContext, activation: str | None = None, *, dilation: int = 1,
                backend: str = "auto") -> torch.Tensor:
     """Depthwise causal conv1d that never mixes two documents.
 
@@ -56,7 +56,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             ``weight[:, i]`` the token ``(width - 1 - i) * dilation`` before it (the layout of
             ``nn.Conv1d(groups=channels).weight[:, 0]`` and FLA's ``causal_conv1d``).
         bias: ``[channels]`` or ``None``.
-        context: the rank's :class:`~fcp.context.PackedContext`.
+        ctx: the rank's :class:`~fcp.context.PackedContext`.
         activation: ``None`` or ``"silu"`` (``"swish"`` is accepted as an alias).
         dilation: spacing of the taps (``nn.Conv1d``'s ``dilation``); the receptive field, and
             under CP the halo, is ``(width - 1) * dilation`` tokens.
@@ -76,11 +76,12 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         >>> short_conv(torch.tensor([[[1.0], [2.0], [3.0]]]), torch.ones(1, 2), None, ctx).flatten()
         tensor([1., 3., 3.])
     """
-    dilation = check_conv_inputs(x, weight, bias, context, activation, dilation)
+    check_context(ctx, fn="short_conv")
+    dilation = check_conv_inputs(x, weight, bias, ctx, activation, dilation)
     backend = choose_backend("short_conv", backend, BACKENDS, "masked")
     if backend == "masked":
         with autocast_off(x.device):
-            return short_conv_masked(x, weight, bias, context, activation, dilation)
+            return short_conv_masked(x, weight, bias, ctx, activation, dilation)
     if not x.is_cuda or dilation != 1:
         raise ValueError(
             f"short_conv: backend='fla_varlen' needs CUDA tensors and dilation=1, got device "
@@ -89,4 +90,4 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     from fcp.ops.conv.fla import short_conv_fla_varlen  # imported on use: a CUDA-only path
 
     with autocast_off(x.device):
-        return short_conv_fla_varlen(x, weight, bias, context, activation)
+        return short_conv_fla_varlen(x, weight, bias, ctx, activation)

@@ -135,7 +135,7 @@ fla_conv_varlen_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
 
 
 def short_conv_fla_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          context: PackedContext, activation: str | None = None) -> torch.Tensor:
+                          ctx: PackedContext, activation: str | None = None) -> torch.Tensor:
     """The ``"fla_varlen"`` backend of :func:`fcp.ops.conv.short_conv` (arguments checked there;
     no dilation).
 
@@ -144,18 +144,18 @@ def short_conv_fla_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     FLA's halo is single-hop: under CP every shard needs ``width - 1`` tokens (``ValueError``).
     """
     width = weight.shape[1]
-    name = group_name(context)
-    if name and context.local_seq_len < width - 1:
+    name = group_name(ctx)
+    if name and ctx.local_seq_len < width - 1:
         raise ValueError(
-            f"FLA's CP conv halo is single-hop: local_seq_len={context.local_seq_len} < "
+            f"FLA's CP conv halo is single-hop: local_seq_len={ctx.local_seq_len} < "
             f"width - 1 = {width - 1}; use backend='masked' instead"
         )
     outs = []
     for row in range(x.shape[0]):
-        ctx = build_fla_cp_context(context, row, context.group if name else None, width)
+        fla_ctx = build_fla_cp_context(ctx, row, ctx.group if name else None, width)
         y, _ = fla_conv_varlen_fwd(
-            x[row : row + 1], weight, bias, ctx.cu_seqlens, ctx.cu_seqlens_cpu,
-            activation or "", name, int(ctx.pre_num_conv_tokens), bool(ctx.is_first_rank),
+            x[row : row + 1], weight, bias, fla_ctx.cu_seqlens, fla_ctx.cu_seqlens_cpu,
+            activation or "", name, int(fla_ctx.pre_num_conv_tokens), bool(fla_ctx.is_first_rank),
         )  # fmt: skip
         outs.append(y)
     return torch.cat(outs, 0)

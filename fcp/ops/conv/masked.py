@@ -23,7 +23,7 @@ __all__ = ["short_conv_masked"]
 
 
 def short_conv_masked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      context: PackedContext, activation: str | None = None,
+                      ctx: PackedContext, activation: str | None = None,
                       dilation: int = 1) -> torch.Tensor:
     """The ``"masked"`` backend of :func:`fcp.ops.conv.short_conv` (arguments checked there).
 
@@ -34,10 +34,10 @@ def short_conv_masked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     width = weight.shape[1]
     history = (width - 1) * dilation
     dt = compute_dtype(x, weight)  # fp32 accumulation; fp64 stays fp64
-    xx = with_left_halo(x, context, history, dtype=dt)  # the backward sums halo grads in dt
+    xx = with_left_halo(x, ctx, history, dtype=dt)  # the backward sums halo grads in dt
     # halo + shard doc ids; positions before the global start match no token
-    start, length = context.seq_start - history, history + context.local_seq_len
-    doc = doc_ids_window(context.doc_ids, start, length)
+    start, length = ctx.seq_start - history, history + ctx.local_seq_len
+    doc = doc_ids_window(ctx.doc_ids, start, length)
     own = doc[:, history:]
     w = weight.to(dt)
     out = x.new_zeros(x.shape, dtype=dt)

@@ -4,7 +4,7 @@ Query ``t`` sees key ``s`` iff ``doc(s) == doc(t) != 0`` and ``s <= t`` (global 
 Under CP every rank all-gathers K and V (one collective on ``cat([k, v], -1)``) and masks with the
 replicated doc-id map; keys after the rank's interval can never be seen, so only the prefix
 ``[0, seq_end)`` of the gathered sequence is used, and each query block scores only the keys of
-the ``context.band`` positions before it.
+the ``ctx.band`` positions before it.
 
 * :mod:`.reference` - the definition (a float64 per-query loop; tests only);
 * :mod:`.dense` - ``backend="dense"``: the masked fp32 softmax (every device);
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from fcp.checks import check_positive_int
-from fcp.context import PackedContext
+from fcp.context import PackedContext, check_context
 from fcp.ops.doc_causal.dense import doc_causal_dense
 from fcp.ops.doc_causal.flex import doc_causal_flex
 from fcp.ops.kit.attention import SOFTMAX_BACKENDS, attention_backend, check_qkv
@@ -31,7 +31,7 @@ BACKENDS = SOFTMAX_BACKENDS
 _RUN = {"dense": doc_causal_dense, "flex": doc_causal_flex}
 
 
-def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: PackedContext,
+def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PackedContext,
                          scale: float | None = None, *, query_chunk: int | None = None,
                          backend: str = "auto") -> torch.Tensor:
     """Causal attention within documents.
@@ -41,7 +41,7 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cont
         k: ``[batch, local_seq, kv_heads, D]``; ``heads`` is a multiple of ``kv_heads`` (GQA:
             query head ``h`` uses kv head ``h // (heads // kv_heads)``).
         v: ``[batch, local_seq, kv_heads, Dv]``.
-        context: the rank's :class:`~fcp.context.PackedContext`.
+        ctx: the rank's :class:`~fcp.context.PackedContext`.
         scale: softmax scale, default ``D ** -0.5``.
         query_chunk: ``"dense"``: queries processed at a time (rounded down to blocks of 64;
             default: about 4M elements of scores and keys per chunk). Results do not depend on
@@ -53,8 +53,8 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cont
         ``[batch, local_seq, heads, Dv]`` in ``q``'s dtype (softmax in fp32, fp64 for fp64
         inputs). Pad queries (doc id 0) get zeros and no gradient flows from them. Non-finite
         values stay in their document (:mod:`fcp.ops.kit.common`). Cost: each query block
-        scores the keys of the ``context.band`` positions before it, not the whole row
-        (``"dense"``: bitwise independent of ``context.band``; FlexAttention skips masked
+        scores the keys of the ``ctx.band`` positions before it, not the whole row
+        (``"dense"``: bitwise independent of ``ctx.band``; FlexAttention skips masked
         tiles).
 
     Example: ``doc_ids = [[1, 1, 2]]``: token 1 averages tokens 0-1 by softmax weight; token 2
@@ -67,12 +67,13 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cont
         [1.0, 2.0, 5.0]
     """
     name = "doc_causal_attention"
-    check_qkv(name, q, k, v, context)
+    check_context(ctx, fn=name)
+    check_qkv(name, q, k, v, ctx)
     backend = attention_backend(name, backend, q)
     scale = default_scale(q.shape[-1], scale)
     if query_chunk is not None:
         query_chunk = check_positive_int(query_chunk, "query_chunk", fn=name)
     q, k, v = finite_or_zero(q), finite_or_zero(k), finite_or_zero(v)
     with autocast_off(q.device):
-        out = _RUN[backend](q, k, v, context, scale, query_chunk)
+        out = _RUN[backend](q, k, v, ctx, scale, query_chunk)
     return zero_nonfinite_grad(out)

@@ -3,8 +3,8 @@
 
 Guarantees: masked keys get probability exactly 0 (``torch.where``), so documents are bitwise
 independent; fp32 softmax (fp64 for fp64 inputs); deterministic, and bitwise independent of
-``context.band`` and of ``query_chunk``; static shapes, no host sync. Cost: ``O(local x band)``
-scores per head (each block of queries against the keys of the ``context.band`` positions
+``ctx.band`` and of ``query_chunk``; static shapes, no host sync. Cost: ``O(local x band)``
+scores per head (each block of queries against the keys of the ``ctx.band`` positions
 before it, causal), memory ``O(local)`` saved for the backward plus one chunk of scores.
 """
 
@@ -20,14 +20,14 @@ from fcp.ops.kit.softmax import banded_attention
 __all__ = ["doc_causal_dense"]
 
 
-def doc_causal_dense(q, k, v, context: PackedContext, scale: float,
+def doc_causal_dense(q, k, v, ctx: PackedContext, scale: float,
                      query_chunk: int | None = None) -> torch.Tensor:
     """``[batch, local_seq, heads, Dv]`` (arguments checked by the dispatcher)."""
-    dk, end = k.shape[-1], context.seq_end
-    kv = all_gather_sequence(torch.cat([k, v], -1), context, dtype=torch.float32)
+    dk, end = k.shape[-1], ctx.seq_end
+    kv = all_gather_sequence(torch.cat([k, v], -1), ctx, dtype=torch.float32)
     keys = kv[:, :end]  # keys after this rank's queries are never visible
-    out = banded_attention(q, keys, dk, context.doc_ids[:, :end],
-                           torch.arange(end, device=q.device), context.local_doc_ids,
-                           context.seq_start, context.key_band, scale,
+    out = banded_attention(q, keys, dk, ctx.doc_ids[:, :end],
+                           torch.arange(end, device=q.device), ctx.local_doc_ids,
+                           ctx.seq_start, ctx.key_band, scale,
                            chunk=query_chunk)  # fmt: skip
-    return with_anchors(out, context, kv)
+    return with_anchors(out, ctx, kv)

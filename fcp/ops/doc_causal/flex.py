@@ -17,16 +17,16 @@ from fcp.ops.kit.attention import with_anchors
 __all__ = ["doc_causal_flex"]
 
 
-def doc_causal_flex(q, k, v, context: PackedContext, scale: float,
+def doc_causal_flex(q, k, v, ctx: PackedContext, scale: float,
                     query_chunk: int | None = None) -> torch.Tensor:
     """``[batch, local_seq, heads, Dv]`` (arguments checked by the dispatcher; FlexAttention
     tiles by itself, ``query_chunk`` is unused)."""
-    dk, start, end = k.shape[-1], context.seq_start, context.seq_end
-    kv = all_gather_sequence(torch.cat([k, v], -1), context, dtype=torch.float32)
+    dk, start, end = k.shape[-1], ctx.seq_start, ctx.seq_end
+    kv = all_gather_sequence(torch.cat([k, v], -1), ctx, dtype=torch.float32)
     keys = kv[:, :end]
     k_pos = torch.arange(end, device=q.device)
     lo = k_pos - start  # the local query index from which key s is visible
     hi = torch.full_like(k_pos, flex.UNBOUNDED)
-    out = flex.flex_attend(q, keys[..., :dk], keys[..., dk:], context.local_doc_ids,
-                           context.doc_ids[:, :end], lo, hi, scale)  # fmt: skip
-    return with_anchors(out, context, kv)
+    out = flex.flex_attend(q, keys[..., :dk], keys[..., dk:], ctx.local_doc_ids,
+                           ctx.doc_ids[:, :end], lo, hi, scale)  # fmt: skip
+    return with_anchors(out, ctx, kv)

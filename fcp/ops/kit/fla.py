@@ -92,12 +92,12 @@ def fla_cp_fields(global_cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -
     )
 
 
-def build_fla_cp_context(packed_context: PackedContext, row: int, cp_group: Any = None,
+def build_fla_cp_context(ctx: PackedContext, row: int, cp_group: Any = None,
                          conv_kernel_size: int | None = None):
     """FLA's own :class:`fla.ops.cp.FLACPContext` for one batch row of this rank's shard.
 
     Args:
-        packed_context: this rank's :class:`~fcp.context.PackedContext` (replicated doc-id map,
+        ctx: this rank's :class:`~fcp.context.PackedContext` (replicated doc-id map,
             ``cp_size``, ``cp_rank``).
         row: batch row.
         cp_group: the process group FLA should communicate over (stored as the context's
@@ -112,24 +112,24 @@ def build_fla_cp_context(packed_context: PackedContext, row: int, cp_group: Any 
         pad tail is a segment of its own), with FLA's ``pre_num_ranks``, ``post_num_ranks``,
         ``is_first_rank``, ``is_last_rank`` and ``pre_num_conv_tokens``.
 
-    Memoised per ``(row, conv_kernel_size, cp_group)`` in ``packed_context``'s host memo: repeated
+    Memoised per ``(row, conv_kernel_size, cp_group)`` in ``ctx``'s host memo: repeated
     calls return the same object. Imports FLA (lazily, on first use).
     """
     from fla.ops.cp import FLACPContext  # lazy: importing fla costs seconds
 
     def compute():
-        _, cpu = packed_context.row_cu_seqlens(row)
-        fields = fla_cp_fields(cpu, packed_context.cp_size, packed_context.cp_rank)
+        _, cpu = ctx.row_cu_seqlens(row)
+        fields = fla_cp_fields(cpu, ctx.cp_size, ctx.cp_rank)
         local_cpu = fields.pop("cu_seqlens_cpu")
-        ctx = FLACPContext(
+        fla_ctx = FLACPContext(
             group=cp_group,
-            cu_seqlens=local_cpu.to(device=packed_context.doc_ids.device, non_blocking=True),
+            cu_seqlens=local_cpu.to(device=ctx.doc_ids.device, non_blocking=True),
             cu_seqlens_cpu=local_cpu, conv1d_kernel_size=conv_kernel_size, **fields,
         )
-        return cp_group, ctx  # keeps the group alive, so its id() cannot be reused
+        return cp_group, fla_ctx  # keeps the group alive, so its id() cannot be reused
 
-    key = ("fla_cp_context", packed_context.check_row(row), conv_kernel_size, id(cp_group))
-    return packed_context.memo(key, compute)[1]
+    key = ("fla_cp_context", ctx.check_row(row), conv_kernel_size, id(cp_group))
+    return ctx.memo(key, compute)[1]
 
 
 def make_fla_cp_context(cu_seqlens, cu_seqlens_cpu, group_name: str, pre, post, first, last,
@@ -158,9 +158,9 @@ def process_group_from_name(name: str):
     return _resolve_process_group(name)
 
 
-def group_name(context: PackedContext) -> str:
-    """The name of ``context``'s CP group, ``""`` without CP."""
-    return context.group.group_name if context.cp_enabled else ""
+def group_name(ctx: PackedContext) -> str:
+    """The name of ``ctx``'s CP group, ``""`` without CP."""
+    return ctx.group.group_name if ctx.cp_enabled else ""
 
 
 def device_guard(t: torch.Tensor):

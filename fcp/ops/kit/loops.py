@@ -20,14 +20,14 @@ __all__ = ["linear_recurrence", "prepare", "softmax_row", "attend_keys", "empty_
            "reference_doc_ids"]  # fmt: skip
 
 
-def reference_doc_ids(context: PackedContext | torch.Tensor, fn: str) -> torch.Tensor:
-    """The int64 doc-id map ``[batch, seq]`` of a single-process reference call: ``context`` is a
+def reference_doc_ids(ctx: PackedContext | torch.Tensor, fn: str) -> torch.Tensor:
+    """The int64 doc-id map ``[batch, seq]`` of a single-process reference call: ``ctx`` is a
     :class:`~fcp.context.PackedContext` without CP, or the map itself."""
-    if not isinstance(context, PackedContext):
-        return context
-    if context.cp_enabled:
+    if not isinstance(ctx, PackedContext):
+        return ctx
+    if ctx.cp_enabled:
         raise ValueError(f"{fn} is single-process: pass a context with cp_size=1")
-    return context.doc_ids
+    return ctx.doc_ids
 
 
 def real_queries(doc_ids: torch.Tensor):

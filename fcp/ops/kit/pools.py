@@ -7,9 +7,9 @@ all-gather of one summary vector per pool, the relu-of-dot-product head scores, 
 fixed tie rule, and the expansion of chosen pools (plus the query's incomplete pool, the *tail*)
 back to global token ids. Each indexer brings only its pooled keys, its queries and its layout::
 
-    plan = plan_pools(context, k)                               # replicated slot table
+    plan = plan_pools(ctx, k)                               # replicated slot table
     keys = my_pooled_keys(..., plan.ends)                        # [batch, C, Di], this rank's
-    rows = select_pools(q, gather_pool_keys(keys, context), plan, context, k, n_pools,
+    rows = select_pools(q, gather_pool_keys(keys, ctx), plan, ctx, k, n_pools,
                         tail=..., head_weights=w, scale=scale)
 
 Pools. Pool ``j`` of a document covers its document-local positions ``[j*k, (j+1)*k)``; only
@@ -36,7 +36,7 @@ The pool ending at 9 covers tokens 6..9 and straddles the rank boundary: rank 1 
 9 and 13; its tail is token 14 (document positions 8..8, the start of its incomplete pool).
 
 Scoring. A query ``t`` sees only pools of its document, which started fewer than
-``context.band`` tokens before it, so :func:`select_pools` scores each chunk of queries against
+``ctx.band`` tokens before it, so :func:`select_pools` scores each chunk of queries against
 the slots of positions ``[first query - band + 1, last query]`` only (``fcp::pool_top``, a
 custom op looping over query chunks: the compiled graph does not grow with the sequence, and
 the transient scores are bounded by the chunk). The result is the same as scoring every slot
@@ -56,7 +56,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from fcp.checks import check_positive_int, check_tensor
-from fcp.comm import all_gather_sequence, left_halo
+from fcp.comm import all_gather_group, left_halo
 from fcp.context import PackedContext
 from fcp.layout import PAD_DOC_ID, document_starts, position_ids_from_doc_ids
 from fcp.ops.kit.common import register_fp32_autocast
@@ -139,14 +139,14 @@ def slot_of(position: int, local_len: int, kpool: int) -> int:
     return (position // local_len) * cap + (position % local_len) // kpool
 
 
-def local_slots(slots: torch.Tensor, context: PackedContext, kpool: int) -> torch.Tensor:
+def local_slots(slots: torch.Tensor, ctx: PackedContext, kpool: int) -> torch.Tensor:
     """This rank's part of :func:`pool_slots`: int64 ``[batch, C]`` global end positions."""
-    cap = slot_capacity(context.local_seq_len, kpool)
-    return slots[:, context.cp_rank * cap : (context.cp_rank + 1) * cap]
+    cap = slot_capacity(ctx.local_seq_len, kpool)
+    return slots[:, ctx.cp_rank * cap : (ctx.cp_rank + 1) * cap]
 
 
 def pool_windows(
-                 x: torch.Tensor, ends: torch.Tensor, context: PackedContext, kpool: int
+                 x: torch.Tensor, ends: torch.Tensor, ctx: PackedContext, kpool: int
 ) -> torch.Tensor:
     """The ``kpool`` tokens of each local pool: ``[batch, C, kpool, *channels]``.
 
@@ -154,32 +154,34 @@ def pool_windows(
         x: ``[batch, local_seq, *channels]``, this rank's shard (any dtype; no gradient flows).
         ends: int64 ``[batch, C]`` from :func:`local_slots` (-1 = empty slot: its window holds
             arbitrary finite tokens of the shard; callers mask it).
-        context: the rank's context; ``kpool - 1`` tokens before the interval come from
+        ctx: the rank's context; ``kpool - 1`` tokens before the interval come from
             :func:`fcp.comm.left_halo` (zeros before the sequence start, never read by a pool).
 
     Row ``i`` of a window is the token ``end - kpool + 1 + i`` (ascending positions).
     """
     x = x.detach()
-    halo = left_halo(x, context, kpool - 1)
+    halo = left_halo(x, ctx, kpool - 1)
     both = torch.cat([halo, x], 1) if kpool > 1 else x  # index j + kpool - 1 = local token j
-    first = (ends - context.seq_start).clamp(min=0)  # window start, in ``both`` coordinates
+    first = (ends - ctx.seq_start).clamp(min=0)  # window start, in ``both`` coordinates
     idx = first[..., None] + torch.arange(kpool, device=x.device)  # [b, C, k]
     rows = torch.arange(x.shape[0], device=x.device)[:, None, None]
     return both[rows, idx]
 
 
-def all_gather_slots(per_slot: torch.Tensor, context: PackedContext) -> torch.Tensor:
+def all_gather_slots(per_slot: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
     """``[batch, C, ...] -> [batch, cp_size * C, ...]`` in rank order (no gradient; identity
-    without CP). The slots line up with :func:`pool_slots`."""
-    return all_gather_sequence(
-        per_slot.detach().contiguous(), context.group, 1, differentiable=False, validate=False
+    without CP). The slots line up with :func:`pool_slots`. A slot count is not a fraction of
+    the local length, so this is the group form: every rank's ``C`` is the same by
+    construction (:func:`slot_capacity` of the shared local length)."""
+    return all_gather_group(
+        per_slot.detach().contiguous(), ctx.group_info, 1, differentiable=False, validate=False
     )
 
 
-def visible_pools(slots: torch.Tensor, context: PackedContext) -> torch.Tensor:
+def visible_pools(slots: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
     """bool ``[batch, local_seq, P]``: slot ``j`` holds a pool visible to the local query
     (``doc(end) == doc(t) != 0`` and ``end <= t``)."""
-    return visible_slots(slots, context.doc_ids, context.seq_start, context.local_seq_len)
+    return visible_slots(slots, ctx.doc_ids, ctx.seq_start, ctx.local_seq_len)
 
 
 def visible_slots(slots: torch.Tensor, doc_ids: torch.Tensor, start: int,
@@ -252,14 +254,14 @@ def pool_tokens(ends: torch.Tensor, chosen: torch.Tensor, kpool: int) -> torch.T
     return torch.where(chosen[..., None], tok, -1).flatten(-2)
 
 
-def tail_tokens(context: PackedContext, kpool: int) -> torch.Tensor:
+def tail_tokens(ctx: PackedContext, kpool: int) -> torch.Tensor:
     """int64 ``[batch, local_seq, kpool - 1]``: the tail of each local query ``t``, the tokens of
     its incomplete pool ``t - n + 1 .. t`` with ``n = (p + 1) % kpool`` (``p`` = document
     position; empty when ``t`` ends a pool), then ``-1``; all ``-1`` for pad queries."""
-    dev = context.doc_ids.device
-    t = torch.arange(context.seq_start, context.seq_end, device=dev)
-    pos = position_ids_from_doc_ids(context.doc_ids)[:, context.seq_start : context.seq_end]
-    n = torch.where(context.local_valid, (pos + 1) % kpool, 0)  # [b, L]
+    dev = ctx.doc_ids.device
+    t = torch.arange(ctx.seq_start, ctx.seq_end, device=dev)
+    pos = position_ids_from_doc_ids(ctx.doc_ids)[:, ctx.seq_start : ctx.seq_end]
+    n = torch.where(ctx.local_valid, (pos + 1) % kpool, 0)  # [b, L]
     r = torch.arange(kpool - 1, device=dev)
     tok = (t - n + 1)[..., None] + r
     return torch.where(r < n[..., None], tok, -1)
@@ -332,16 +334,16 @@ class PoolPlan(NamedTuple):
     ends: torch.Tensor
 
 
-def plan_pools(context: PackedContext, kpool: int) -> PoolPlan:
+def plan_pools(ctx: PackedContext, kpool: int) -> PoolPlan:
     """The slot table of pools of ``kpool`` tokens, from the replicated map (no communication)."""
-    slots = pool_slots(context.doc_ids, kpool, context.cp_size)
-    return PoolPlan(slots, local_slots(slots, context, kpool))
+    slots = pool_slots(ctx.doc_ids, kpool, ctx.cp_size)
+    return PoolPlan(slots, local_slots(slots, ctx, kpool))
 
 
-def gather_pool_keys(local_keys: torch.Tensor, context: PackedContext) -> torch.Tensor:
+def gather_pool_keys(local_keys: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
     """This rank's pooled keys ``[batch, C, Di]`` -> every rank's, fp32: ``[batch, P, Di]`` in
     slot order (one all-gather, no gradient)."""
-    return all_gather_slots(local_keys, context).float()
+    return all_gather_slots(local_keys, ctx).float()
 
 
 def relu_head_scores(q: torch.Tensor, keys_t: torch.Tensor,
@@ -400,14 +402,14 @@ def score_chunk_rows(batch: int, local_len: int, band: int, kpool: int) -> int:
     return rows
 
 
-def scored_pairs(context: PackedContext, kpool: int, chunk: int | None = None) -> int:
+def scored_pairs(ctx: PackedContext, kpool: int, chunk: int | None = None) -> int:
     """(query, slot) pairs :func:`select_pools` scores per batch row on this rank (the full
     matrix is ``local_seq * P``)."""
-    local = context.local_seq_len
-    n_slots = context.cp_size * slot_capacity(local, kpool)
-    chunk = chunk or score_chunk_rows(context.batch_size, local, context.key_band, kpool)
+    local = ctx.local_seq_len
+    n_slots = ctx.cp_size * slot_capacity(local, kpool)
+    chunk = chunk or score_chunk_rows(ctx.batch_size, local, ctx.key_band, kpool)
     return sum((r1 - r0) * (s1 - s0) for r0, r1, s0, s1 in
-               score_chunks(local, context.seq_start, context.key_band, kpool, n_slots, chunk))
+               score_chunks(local, ctx.seq_start, ctx.key_band, kpool, n_slots, chunk))
 
 
 @torch.library.custom_op("fcp::pool_top", mutates_args=())
@@ -453,7 +455,7 @@ register_fp32_autocast(pool_top)
 TAIL_LAYOUTS = ("after_document_pools", "after_chosen", "none")
 
 
-def select_pools(q: torch.Tensor, keys: torch.Tensor, plan: PoolPlan, context: PackedContext,
+def select_pools(q: torch.Tensor, keys: torch.Tensor, plan: PoolPlan, ctx: PackedContext,
                  kpool: int, n_pools: int, *, tail: str, ascending: torch.Tensor | None = None,
                  head_weights: torch.Tensor | None = None, scale: float | None = None,
                  divisor: float | None = None, chunk: int | None = None) -> torch.Tensor:
@@ -462,18 +464,18 @@ def select_pools(q: torch.Tensor, keys: torch.Tensor, plan: PoolPlan, context: P
     Scores ``relu_head_scores(q, keys, head_weights, scale)`` (then ``/ divisor`` if given) of
     ``q`` fp32 ``[batch, local, heads, Di]`` against ``keys`` fp32 ``[batch, P, Di]``
     (:func:`gather_pool_keys`), ``chunk`` queries at a time (default
-    :func:`score_chunk_rows`; results do not depend on it or on ``context.band``, bitwise),
+    :func:`score_chunk_rows`; results do not depend on it or on ``ctx.band``, bitwise),
     then the ``n_pools`` best visible pools (:func:`top_pools`' tie rule), ordered by
     descending score, or ascending where ``ascending`` (bool ``[batch, local, 1]``) holds;
     each pool's tokens ascending; ``-1`` for unfilled entries; then the tail per ``tail``
     (:data:`TAIL_LAYOUTS`; none when ``kpool == 1``).
     """
-    band = context.key_band
+    band = ctx.key_band
     # 0: the op picks the default itself, on concrete sizes, so that a dynamic length does not
     # specialise the graph on the chunking (results do not depend on it)
     chunk = 0 if chunk is None else chunk
-    slot, chosen, chosen_score = pool_top(q, keys, head_weights, plan.slots, context.doc_ids,
-                                          context.seq_start, kpool, band, n_pools, scale,
+    slot, chosen, chosen_score = pool_top(q, keys, head_weights, plan.slots, ctx.doc_ids,
+                                          ctx.seq_start, kpool, band, n_pools, scale,
                                           divisor, chunk)  # fmt: skip
     ranked, ranked_ok = by_score(slot, chosen, chosen_score)
     if ascending is None:
@@ -485,8 +487,8 @@ def select_pools(q: torch.Tensor, keys: torch.Tensor, plan: PoolPlan, context: P
     if tail == "none" or kpool == 1:
         return rows
     if tail == "after_document_pools":
-        n_doc = doc_lengths(context.doc_ids, context.seq_start, context.local_seq_len)
+        n_doc = doc_lengths(ctx.doc_ids, ctx.seq_start, ctx.local_seq_len)
         first = torch.clamp(n_doc // kpool, max=n_pools)[..., None] * kpool
     else:
         first = chosen.sum(-1, keepdim=True) * kpool
-    return place_tail(rows, tail_tokens(context, kpool), first)
+    return place_tail(rows, tail_tokens(ctx, kpool), first)

@@ -43,7 +43,7 @@ def check_kpool_inputs(name, index_q, index_k, gate_logits, ape, head_weights, b
 
 
 def kpool_indexer(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: torch.Tensor,
-                  ape: torch.Tensor, head_weights: torch.Tensor, context: PackedContext, *,
+                  ape: torch.Tensor, head_weights: torch.Tensor, ctx: PackedContext, *,
                   topk: int, kpool: int, select_tail: bool = True, scale: float | None = None,
                   query_chunk: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Global token ids each query attends to, by GLM-5.3-Flash's k-pool DSA indexer.
@@ -55,7 +55,7 @@ def kpool_indexer(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: tor
         gate_logits: ``[batch, local_seq, Di]``: ``x @ index_kpool_compress_gate.T``.
         ape: ``[kpool, Di]``: ``index_kpool_compress_ape``.
         head_weights: ``[batch, local_seq, index_heads]``: ``weights_proj(x) * index_heads**-0.5``.
-        context: the rank's :class:`~fcp.context.PackedContext`.
+        ctx: the rank's :class:`~fcp.context.PackedContext`.
         topk: tokens selected from complete pools (``index_topk``), a multiple of ``kpool``;
             ``topk // kpool`` pools per query.
         kpool: tokens per pool (``index_kpool``). Pools start at every document start and
@@ -64,7 +64,7 @@ def kpool_indexer(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: tor
             (``index_kpool_always_select_tail``, default ``True``).
         scale: score scale inside the ``relu``, default ``Di ** -0.5``.
         query_chunk: queries scored at a time (transient memory ``O(query_chunk * (query_chunk
-            + context.band) / kpool)`` scores); default: about 1M scores per chunk. Results do
+            + ctx.band) / kpool)`` scores); default: about 1M scores per chunk. Results do
             not depend on it, bitwise.
         backend: ``"auto"`` (= ``"pooled"``) or ``"pooled"``.
 
@@ -81,8 +81,8 @@ def kpool_indexer(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: tor
     independent of other documents (NaN/inf in another document's inputs included). Under CP:
     one ``kpool - 1`` token left halo of ``(index_k, gate_logits)`` and one all-gather of
     ``ceil(local_seq / kpool)`` pooled keys per rank (``Di`` values each). Cost: each query is
-    scored against the pools of the ``context.band`` positions before it (not the whole row),
-    and results do not depend on ``context.band`` either, bitwise. No host synchronisation,
+    scored against the pools of the ``ctx.band`` positions before it (not the whole row),
+    and results do not depend on ``ctx.band`` either, bitwise. No host synchronisation,
     static shapes.
 
     Example (one document of 9 tokens, ``kpool = 4``, ``topk = 4``: one pool per query)::
@@ -93,9 +93,9 @@ def kpool_indexer(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: tor
                                                # (which pool wins depends on the scores)
     """
     name = "kpool_indexer"
-    check_context(context, fn=name)
+    check_context(ctx, fn=name)
     check_kpool_inputs(name, index_q, index_k, gate_logits, ape, head_weights,
-                       context.batch_size, context.local_seq_len, topk, kpool)  # fmt: skip
+                       ctx.batch_size, ctx.local_seq_len, topk, kpool)  # fmt: skip
     select_tail = check_bool(select_tail, "select_tail", fn=name)
     if query_chunk is not None:
         query_chunk = check_positive_int(query_chunk, "query_chunk", fn=name)
@@ -105,5 +105,5 @@ def kpool_indexer(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: tor
         finite_or_zero(t.detach()) for t in (index_q, index_k, gate_logits, ape, head_weights)
     )
     with autocast_off(index_q.device):  # the same selection inside autocast as outside
-        return _RUN[backend](index_q, index_k, gate_logits, ape, head_weights, context, topk,
+        return _RUN[backend](index_q, index_k, gate_logits, ape, head_weights, ctx, topk,
                              kpool, select_tail, scale, query_chunk)  # fmt: skip

@@ -6,7 +6,7 @@ part of a pool that starts on an earlier rank), compacts them into ``ceil(local 
 static slots and all-gathers the slots: ``[batch, cp_size * slots, Di]`` in ``index_k``'s dtype,
 about ``Di / kpool`` values per token. Nothing else crosses ranks: the slot table comes from the
 replicated doc-id map (:mod:`fcp.ops.kit.pools`). Each chunk of queries then scores the slots
-its documents can reach (``context.band`` positions back: ``O(local x band / kpool)`` fp32
+its documents can reach (``ctx.band`` positions back: ``O(local x band / kpool)`` fp32
 scores, one matmul per index head and chunk; a chunk's scores bound the transient memory),
 keeps the visible ones and takes the top ``topk // kpool`` with fcp's tie rule.
 
@@ -31,13 +31,13 @@ __all__ = ["pooled_keys", "kpool_indexer_pooled"]
 
 
 def pooled_keys(index_k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Tensor,
-                ends: torch.Tensor, context: PackedContext, kpool: int) -> torch.Tensor:
+                ends: torch.Tensor, ctx: PackedContext, kpool: int) -> torch.Tensor:
     """``[batch, C, Di]`` in ``index_k``'s dtype: the gated pool mean of every local pool end
     (zeros in empty slots)."""
     di = index_k.shape[-1]
     common = torch.promote_types(index_k.dtype, gate_logits.dtype)
     window = pool_windows(
-        torch.cat([index_k.to(common), gate_logits.to(common)], -1), ends, context, kpool
+        torch.cat([index_k.to(common), gate_logits.to(common)], -1), ends, ctx, kpool
     )  # [b, C, kpool, 2 Di]; the casts back below are exact
     k_win = window[..., :di].to(index_k.dtype)
     z_win = window[..., di:].to(gate_logits.dtype)
@@ -49,14 +49,14 @@ def pooled_keys(index_k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Ten
 
 
 def kpool_indexer_pooled(index_q: torch.Tensor, index_k: torch.Tensor, gate_logits: torch.Tensor,
-                         ape: torch.Tensor, head_weights: torch.Tensor, context: PackedContext,
+                         ape: torch.Tensor, head_weights: torch.Tensor, ctx: PackedContext,
                          topk: int, kpool: int, select_tail: bool, scale: float,
                          query_chunk: int | None = None) -> torch.Tensor:
     """int64 ``[batch, local_seq, W]`` global token ids (see :mod:`.reference`)."""
-    plan = plan_pools(context, kpool)
-    keys = gather_pool_keys(pooled_keys(index_k, gate_logits, ape, plan.ends, context, kpool),
-                            context)  # fmt: skip
+    plan = plan_pools(ctx, kpool)
+    keys = gather_pool_keys(pooled_keys(index_k, gate_logits, ape, plan.ends, ctx, kpool),
+                            ctx)  # fmt: skip
     tail = "after_document_pools" if select_tail else "none"
-    return select_pools(index_q.float(), keys, plan, context, kpool, topk // kpool, tail=tail,
+    return select_pools(index_q.float(), keys, plan, ctx, kpool, topk // kpool, tail=tail,
                         head_weights=head_weights.float(), scale=scale,
                         chunk=query_chunk)  # fmt: skip

@@ -53,7 +53,7 @@ def check_qsa_inputs(name, index_q, index_k, q_norm_weight, k_norm_weight, cos, 
 
 def qsa_indexer(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weight: torch.Tensor,
                 k_norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                context: PackedContext, *, budget: int, ratio: int, eps: float = 1e-6,
+                ctx: PackedContext, *, budget: int, ratio: int, eps: float = 1e-6,
                 query_chunk: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Global token ids each query attends to, by Qwen3.8-Flash-Next's QSA indexer.
 
@@ -66,16 +66,16 @@ def qsa_indexer(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weight: tor
             zero-centred: the norm multiplies by ``1 + weight``.
         cos, sin: ``[batch, local_seq, R/2]``, RoPE tables at each token's **document-local**
             position (NeMo's ``freqs_cis`` is ``cat(cos, sin)``); :func:`~fcp.ops.kit.norms.rope_tables` of
-            ``context.local_position_ids`` builds them. ``R <= Di``; dims past ``R`` pass
+            ``ctx.local_position_ids`` builds them. ``R <= Di``; dims past ``R`` pass
             through.
-        context: the rank's :class:`~fcp.context.PackedContext`.
+        ctx: the rank's :class:`~fcp.context.PackedContext`.
         budget: tokens selected from complete blocks (``indexer_budget``), a multiple of
             ``ratio``; ``budget // ratio`` blocks per sparse query.
         ratio: tokens per block (``indexer_compress_ratio``). Blocks start at every document
             start and may straddle rank boundaries; any local length works.
         eps: RMSNorm epsilon (``rms_norm_eps``).
         query_chunk: queries scored at a time (transient memory ``O(query_chunk * (query_chunk
-            + context.band) / ratio)`` scores); default: about 1M scores per chunk. Results do
+            + ctx.band) / ratio)`` scores); default: about 1M scores per chunk. Results do
             not depend on it, bitwise.
         backend: ``"auto"`` (= ``"pooled"``) or ``"pooled"``.
 
@@ -93,13 +93,13 @@ def qsa_indexer(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weight: tor
     CP and without, and bitwise independent of other documents. Under CP: one ``ratio - 1``
     token left halo of ``(index_k, cos, sin)`` and one all-gather of ``ceil(local_seq / ratio)``
     compressed keys per rank. Cost: each query is scored against the blocks of the
-    ``context.band`` positions before it (not the whole row), and results do not depend on
-    ``context.band`` either, bitwise. No host synchronisation, static shapes.
+    ``ctx.band`` positions before it (not the whole row), and results do not depend on
+    ``ctx.band`` either, bitwise. No host synchronisation, static shapes.
     """
     name = "qsa_indexer"
-    check_context(context, fn=name)
+    check_context(ctx, fn=name)
     check_qsa_inputs(name, index_q, index_k, q_norm_weight, k_norm_weight, cos, sin,
-                     context.batch_size, context.local_seq_len, budget, ratio)  # fmt: skip
+                     ctx.batch_size, ctx.local_seq_len, budget, ratio)  # fmt: skip
     eps = check_float(eps, "eps", fn=name, positive=True)
     if query_chunk is not None:
         query_chunk = check_positive_int(query_chunk, "query_chunk", fn=name)
@@ -109,5 +109,5 @@ def qsa_indexer(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weight: tor
         for t in (index_q, index_k, q_norm_weight, k_norm_weight, cos, sin)
     )
     with autocast_off(index_q.device):  # the same selection inside autocast as outside
-        return _RUN[backend](index_q, index_k, q_norm_weight, k_norm_weight, cos, sin, context,
+        return _RUN[backend](index_q, index_k, q_norm_weight, k_norm_weight, cos, sin, ctx,
                              budget, ratio, eps, query_chunk)  # fmt: skip

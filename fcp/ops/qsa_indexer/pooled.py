@@ -7,7 +7,7 @@ start on an earlier rank, compacts them into ``ceil(local / ratio)`` static slot
 all-gathers the slots: ``[batch, cp_size * slots, Di]`` in ``index_k``'s dtype, ``Di / ratio``
 values per token (NeMo's packed CP path all-gathers the raw index keys and the RoPE tables of
 every token instead). Each chunk of queries scores the slots its documents can reach
-(``context.band`` positions back; one matmul per index head and chunk), keeps the visible
+(``ctx.band`` positions back; one matmul per index head and chunk), keeps the visible
 blocks of their document and takes the top ``budget // ratio`` with fcp's tie rule; queries in
 the dense phase keep every visible block in ascending order, as NeMo does.
 """
@@ -31,14 +31,14 @@ __all__ = ["compressed_keys", "qsa_indexer_pooled"]
 
 
 def compressed_keys(index_k: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, ends: torch.Tensor, context: PackedContext, ratio: int,
+                    sin: torch.Tensor, ends: torch.Tensor, ctx: PackedContext, ratio: int,
                     eps: float) -> torch.Tensor:
     """``[batch, C, Di]`` in ``index_k``'s dtype: the compressed key of every local block end
     (zeros in empty slots)."""
     di, half = index_k.shape[-1], cos.shape[-1]
     common = torch.promote_types(index_k.dtype, torch.promote_types(cos.dtype, sin.dtype))
     parts = [index_k.to(common), cos.to(common), sin.to(common)]
-    window = pool_windows(torch.cat(parts, -1), ends, context, ratio)  # [b, C, ratio, Di + R]
+    window = pool_windows(torch.cat(parts, -1), ends, ctx, ratio)  # [b, C, ratio, Di + R]
     k_win = window[..., :di].to(index_k.dtype)  # exact casts back
     cos0 = window[:, :, 0, di : di + half].to(cos.dtype)  # the block's first token
     sin0 = window[:, :, 0, di + half :].to(sin.dtype)
@@ -49,17 +49,17 @@ def compressed_keys(index_k: torch.Tensor, k_norm_weight: torch.Tensor, cos: tor
 
 def qsa_indexer_pooled(index_q: torch.Tensor, index_k: torch.Tensor, q_norm_weight: torch.Tensor,
                        k_norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       context: PackedContext, budget: int, ratio: int,
+                       ctx: PackedContext, budget: int, ratio: int,
                        eps: float, query_chunk: int | None = None) -> torch.Tensor:
     """int64 ``[batch, local_seq, budget + ratio - 1]`` global token ids (see :mod:`.reference`)."""
     k_blocks = budget // ratio
     q = rotate_half_rope(
         zero_centered_rms_norm(index_q, q_norm_weight, eps), cos[:, :, None], sin[:, :, None]
     )
-    plan = plan_pools(context, ratio)
-    keys = compressed_keys(index_k, k_norm_weight, cos, sin, plan.ends, context, ratio, eps)
+    plan = plan_pools(ctx, ratio)
+    keys = compressed_keys(index_k, k_norm_weight, cos, sin, plan.ends, ctx, ratio, eps)
     # dense phase (every visible block fits the budget): ascending blocks, as NeMo emits them
-    dense = ((context.local_position_ids + 1) // ratio <= k_blocks)[..., None]
-    return select_pools(q.float(), gather_pool_keys(keys, context), plan, context, ratio,
+    dense = ((ctx.local_position_ids + 1) // ratio <= k_blocks)[..., None]
+    return select_pools(q.float(), gather_pool_keys(keys, ctx), plan, ctx, ratio,
                         k_blocks, tail="after_chosen", ascending=dense,
                         divisor=math.sqrt(q.shape[-1]), chunk=query_chunk)  # fmt: skip
