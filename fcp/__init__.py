@@ -1,20 +1,26 @@
 """fcp: torch.compile-native contiguous context parallelism for packed-document training.
 
-Layers, bottom up (a module imports only the layers below it):
+Layers, bottom up (a module imports only its own layer or lower ones; the table is
+``tests/test_architecture.py``'s, which checks it):
 
-* :mod:`fcp.layout` - document ids, boundaries, positions and their validation;
-* :mod:`fcp.groups`, :mod:`fcp.pytree`, :mod:`fcp.context` - CP group resolution, the pytree
-  helper and :class:`PackedContext`;
-* :mod:`fcp.comm` - funcol collectives: sequence gather, backward anchor, left halo, state chain;
-* :mod:`fcp.shard` - :func:`shard_batch` and its inverse :func:`gather_sequence`;
-* :mod:`fcp.loss` - exact loss normalisation across data and context parallelism;
-* :mod:`fcp.ops` - operators (short conv, KDA, gated linear attention, attention, indexers): one
-  folder each, with its reference, and :mod:`fcp.ops.kit`, what they share;
-* :mod:`fcp.models` - the seed adapters (GLM-5.3-Flash, Qwen3.8-Flash-Next);
-* :mod:`fcp.integrations` - transformers models on fcp (:mod:`fcp.integrations.hf`).
+0. :mod:`fcp.checks`, :mod:`fcp.layout`, :mod:`fcp.groups`, :mod:`fcp.pytree`, :mod:`fcp.scan` -
+   the argument vocabulary, document ids / boundaries / positions and their validation, CP group
+   resolution, the pytree helper, and affine state maps composed by a log-depth scan;
+1. :mod:`fcp.context` - :class:`PackedContext` (the replicated map, this rank's interval, the
+   band);
+2. :mod:`fcp.comm` - funcol collectives: sequence gather, backward anchor, left halo, state chain;
+3. :mod:`fcp.shard`, :mod:`fcp.loss` - :func:`shard_batch` and its inverse
+   :func:`gather_sequence`; exact loss normalisation across data and context parallelism;
+4. :mod:`fcp.ops` and :mod:`fcp.ops.kit` - the operators' package and what they share;
+5. ``fcp.ops.<operator>`` - one folder per operator (short conv, KDA, gated linear attention,
+   attention, indexers, ...), with its reference; never another operator's folder;
+6. :mod:`fcp.models` (the NeMo seed adapters: GLM-5.3-Flash, Qwen3.8-Flash-Next) and
+   :mod:`fcp.integrations` (transformers models on fcp: :mod:`fcp.integrations.hf`);
+7. :mod:`fcp` itself - the public namespace below.
 
 ``fcp.loss`` is imported with ``fcp``; ``fcp.integrations`` and ``fcp.models`` on first use
-(``fcp.integrations.hf.enable_packed_cp`` works right after ``import fcp``).
+(``fcp.integrations.hf.enable_packed_cp`` works right after ``import fcp``). The documentation
+site (``make docs``) has the guides and the API reference.
 """
 
 import importlib
@@ -23,9 +29,10 @@ from fcp.layout import PAD_DOC_ID, doc_ids_from_cu_seqlens, doc_ids_from_seq_len
 from fcp.layout import lengths_from_doc_ids, packed_boundaries_from_seq_lens
 from fcp.layout import position_ids_from_doc_ids, segment_cu_seqlens, validate_doc_ids
 from fcp.layout import validate_right_tail_mask
-from fcp.groups import GroupInfo, resolve_group
+from fcp.groups import GroupInfo, GroupLike, resolve_group
 from fcp.context import PackedContext
-from fcp.comm import all_gather_backward_anchor, all_gather_sequence, left_halo, state_chain
+from fcp.comm import all_gather_backward_anchor, all_gather_group, all_gather_sequence, left_halo
+from fcp.comm import state_chain
 from fcp.shard import gather_sequence, shard_batch
 from fcp.ops.compressed import compressed_attention
 from fcp.ops.doc_causal import doc_causal_attention
@@ -34,14 +41,18 @@ from fcp.ops.gla import gla
 from fcp.ops.index_attention import index_attention
 from fcp.ops.kda import kda
 from fcp.ops.kpool_indexer import kpool_indexer
+from fcp.ops.latent_attention import latent_attention
 from fcp.ops.qsa_indexer import qsa_indexer
+from fcp.ops.token_history import token_history
 from fcp import loss
 
 __all__ = [
     "PAD_DOC_ID",
     "GroupInfo",
+    "GroupLike",
     "PackedContext",
     "all_gather_backward_anchor",
+    "all_gather_group",
     "all_gather_sequence",
     "compressed_attention",
     "doc_causal_attention",
@@ -53,6 +64,7 @@ __all__ = [
     "index_attention",
     "kda",
     "kpool_indexer",
+    "latent_attention",
     "left_halo",
     "loss",
     "lengths_from_doc_ids",
@@ -64,6 +76,7 @@ __all__ = [
     "shard_batch",
     "short_conv",
     "state_chain",
+    "token_history",
     "validate_doc_ids",
     "validate_right_tail_mask",
 ]

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from fcp.context import PackedContext
-from fcp.ops.index_attention import gather, index_attention
+from fcp.ops.index_attention import index_attention
+from fcp.ops.kit import gather
 from fcp.ops.index_attention.reference import index_attention_reference
 from tests import _attention_rank_fns as fns
 from tests._attention_rank_fns import one_thread  # noqa: F401 (autouse fixture)

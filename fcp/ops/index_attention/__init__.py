@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from fcp.checks import check_choice, check_positive_int, check_tensor
+from fcp.checks import check_choice
 from fcp.context import PackedContext, check_context
 from fcp.ops.index_attention.gather import index_attention_gather
-from fcp.ops.kit.attention import check_qkv
+from fcp.ops.kit.attention import check_qkv, check_selection
 from fcp.ops.kit.common import (
     autocast_off,
     choose_backend,
@@ -37,7 +37,7 @@ KV_MODES = ("local", "global")
 
 
 def index_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                    context: PackedContext, scale: float | None = None, *, kv: str = "local",
+                    ctx: PackedContext, scale: float | None = None, *, kv: str = "local",
                     query_chunk: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Softmax attention of each query over its selected global tokens.
 
@@ -52,7 +52,7 @@ def index_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: 
             Ids outside ``[start of doc(t), t]`` are ignored, so a selection never reaches
             another document or the future. From :func:`~fcp.ops.kpool_indexer.kpool_indexer`,
             :func:`~fcp.ops.qsa_indexer.qsa_indexer` or any other indexer; no gradient.
-        context: the rank's :class:`~fcp.context.PackedContext`.
+        ctx: the rank's :class:`~fcp.context.PackedContext`.
         scale: softmax scale, default ``D ** -0.5``.
         kv: ``"local"``: ``k``/``v`` are this rank's shards (``local_seq`` long) and are
             all-gathered here (one differentiable :func:`~fcp.comm.all_gather_sequence` of
@@ -83,19 +83,14 @@ def index_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: 
     (token 0 is another document).
     """
     name = "index_attention"
-    check_context(context, fn=name)
+    check_context(ctx, fn=name)
     kv = check_choice(kv, "kv", KV_MODES, fn=name)
-    local = context.local_seq_len
-    check_qkv(name, q, k, v, context, key_len=local if kv == "local" else context.global_seq_len)
-    check_tensor(indices, "indices", fn=name, kind="int", shape=(q.shape[0], local, None),
-                 layout="[batch, local_seq, width]")  # fmt: skip
-    if indices.shape[2] < 1:
-        raise ValueError(f"{name}: indices {tuple(indices.shape)} must have width >= 1")
-    if query_chunk is not None:
-        query_chunk = check_positive_int(query_chunk, "query_chunk", fn=name)
+    local = ctx.local_seq_len
+    check_qkv(name, q, k, v, ctx, key_len=local if kv == "local" else ctx.global_seq_len)
+    query_chunk = check_selection(indices, query_chunk, q.shape[0], local, fn=name)
     backend = choose_backend(name, backend, BACKENDS, "gather")
     scale = default_scale(q.shape[-1], scale)
     q, k, v = finite_or_zero(q), finite_or_zero(k), finite_or_zero(v)
     with autocast_off(q.device):
-        out = _RUN[backend](q, k, v, indices.detach(), context, scale, kv, query_chunk)
+        out = _RUN[backend](q, k, v, indices.detach(), ctx, scale, kv, query_chunk)
     return zero_nonfinite_grad(out)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from fcp.checks import check_tensor
+from fcp.checks import check_positive_int, check_tensor
 from fcp.comm import all_gather_backward_anchor
-from fcp.context import PackedContext, check_context
+from fcp.context import PackedContext
 from fcp.ops.kit import flex
 from fcp.ops.kit.common import choose_backend
 
@@ -19,6 +19,7 @@ __all__ = [
     "SOFTMAX_BACKENDS",
     "attention_backend",
     "check_qkv",
+    "check_selection",
     "with_anchors",
     "query_positions",
 ]
@@ -41,9 +42,9 @@ def check_qkv(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx:
 
     ``S`` is ``key_len`` (default: the local length ``L``). Floating point, ``H`` a multiple of
     ``Hkv`` (GQA). The rule of :mod:`fcp.checks`: wrong types ``ArgumentTypeError``, wrong shapes
-    ``ValueError``, each naming ``name`` and the tensor.
+    ``ValueError``, each naming ``name`` and the tensor. ``ctx`` is already checked by the
+    calling dispatcher (its one :func:`~fcp.context.check_context`).
     """
-    check_context(ctx, fn=name)
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
         check_tensor(t, what, fn=name, kind="float", dim=4, layout="[batch, seq, heads, dim]")
     b, n, h, d = q.shape
@@ -82,3 +83,15 @@ def with_anchors(out: torch.Tensor, ctx: PackedContext, *received: torch.Tensor)
     for t in received:
         out = out + all_gather_backward_anchor(t).to(out.dtype)
     return out
+
+
+def check_selection(indices: torch.Tensor, query_chunk: int | None, batch: int, local: int, *,
+                    fn: str) -> int | None:  # fmt: skip
+    """The selection arguments of the attentions over selected tokens (``index_attention``,
+    ``latent_attention``): ``indices`` int ``[batch, local, width >= 1]`` global token ids (-1:
+    none) and ``query_chunk`` (``None`` or a positive int, returned)."""
+    check_tensor(indices, "indices", fn=fn, kind="int", shape=(batch, local, None),
+                 layout="[batch, local_seq, width]")  # fmt: skip
+    if indices.shape[2] < 1:
+        raise ValueError(f"{fn}: indices {tuple(indices.shape)} must have width >= 1")
+    return None if query_chunk is None else check_positive_int(query_chunk, "query_chunk", fn=fn)

@@ -15,11 +15,12 @@ Both read the DeepSeek attribute names (``q_proj`` or ``q_a_proj``/``q_a_layerno
     o = doc_causal_attention(q, k, v, ctx)     # under CP: an all-gather of the expanded K/V
     out = fcp_output(o, x)                     # o_proj (Bailing-Hybrid: its head-wise gate first)
 
-:class:`IndexedMlaMixer` ``-> (out, None, topk or None)`` (transformers' return): the latent is
-all-gathered (``kv_lora_rank`` per token, never the expanded K/V) and expanded locally, the
-k-pool indexer (:func:`fcp.ops.kpool_indexer.kpool_indexer`, no gradient) selects global token
-ids, or a previous layer's selection is reused on "shared" layers, and
-:func:`fcp.ops.index_attention.index_attention` attends to exactly those tokens.
+:class:`IndexedMlaMixer` ``-> (out, None, topk or None)`` (transformers' return): the k-pool
+indexer (:func:`fcp.ops.kpool_indexer.kpool_indexer`, no gradient) selects global token ids, or
+a previous layer's selection is reused on "shared" layers, and
+:func:`fcp.ops.latent_attention.latent_attention` attends to exactly those tokens, its keys and
+values expanded with ``kv_b_proj`` from the latent (under CP the latent, ``kv_lora_rank`` per
+token, is what crosses ranks, never the expanded K/V).
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fcp.comm import all_gather_sequence
 from fcp.context import PackedContext
 from fcp.integrations.hf.core import FcpMixer
 from fcp.ops.doc_causal import doc_causal_attention
-from fcp.ops.index_attention import index_attention
 from fcp.ops.kpool_indexer import kpool_indexer
+from fcp.ops.latent_attention import latent_attention
 
 __all__ = ["IndexedMlaMixer", "MlaMixer"]
 
@@ -112,10 +112,6 @@ class IndexedMlaMixer(MlaMixer):
                     prev_topk_indices=None, **_):  # fmt: skip
         q, q_resid = self.fcp_query(hidden_states)
         latent, _ = self.fcp_latent(hidden_states)
-        # [B, S, r]: the smallest thing K/V come from; bf16 on the wire, the ranks' partial
-        # gradients summed in fp32 (fcp.comm.all_gather_sequence's dtype=)
-        latent = all_gather_sequence(latent, ctx, dtype=torch.float32).to(latent.dtype)
-        k, v = self.fcp_expand(latent, None)
         if self.indexer is not None:
             topk = self.fcp_select(hidden_states, q_resid, ctx)
         elif prev_topk_indices is None:
@@ -123,5 +119,8 @@ class IndexedMlaMixer(MlaMixer):
                              "indexer layer.")  # fmt: skip
         else:
             topk = prev_topk_indices
-        o = index_attention(q, k, v, topk, ctx, scale=self.scaling, kv="global")
+        # the operator all-gathers the latent and expands it with kv_b_proj (fcp_expand's
+        # arithmetic, per head keys then values)
+        o = latent_attention(q, latent, self.kv_b_proj.weight, topk, ctx,
+                             kv_bias=self.kv_b_proj.bias, scale=self.scaling)  # fmt: skip
         return self.fcp_output(o, hidden_states), None, topk if self.next_skip_topk else None

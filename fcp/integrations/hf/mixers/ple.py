@@ -13,11 +13,11 @@ the token ids, gated per stream, plus a dilated causal conv of them::
 Only two steps look at other tokens, and both stay inside the document:
 
 * the n-gram ids read, for each token, the previous ``ngram_size - 1`` token ids of the **same
-  document** (:func:`ngram_history`). transformers fills the history with the end-of-sequence
-  id before a sequence starts and after every end-of-sequence token; fcp does the same at every
-  document start and after every end-of-sequence token inside a document. Under CP the previous
-  tokens come from the previous rank(s): an integer :func:`~fcp.comm.left_halo` of
-  ``ngram_size - 1`` ids (no gradient), the documents from the replicated map;
+  document** (:func:`ngram_history`, the operator :func:`fcp.ops.token_history.token_history`).
+  transformers fills the history with the end-of-sequence id before a sequence starts and after
+  every end-of-sequence token; fcp does the same at every document start and after every
+  end-of-sequence token inside a document. Under CP the operator brings the previous
+  ``ngram_size - 1`` ids from the previous rank(s) (no gradient);
 * the conv (``fcp.short_conv(dilation=)``): a ``(width - 1) * dilation`` token halo.
 
 The gating is per token (the arithmetic of transformers' ``forward``, written out because its
@@ -26,7 +26,7 @@ n-gram and conv steps take no context); the hashing reads the embedding module's
 
 The layer's decoder calls it positionally, without ``cp_context`` (``self.ple(h, ids, cache,
 conv_mask=...)``): under a context the decoder layer's adapter calls it as
-``ple(h, input_ids=ids, cp_context=ctx)`` (:mod:`fcp.integrations.hf.qwen4_exp`), and the
+``ple(h, input_ids=ids, cp_context=ctx)`` (:mod:`fcp.integrations.hf.families.qwen4_exp`), and the
 guard (:mod:`fcp.integrations.hf.core`) makes a call without the context raise.
 """
 
@@ -36,11 +36,10 @@ import math
 
 import torch
 
-from fcp.comm import left_halo
 from fcp.context import PackedContext
 from fcp.integrations.hf.core import FcpMixer
-from fcp.layout import PAD_DOC_ID
 from fcp.ops.conv import short_conv
+from fcp.ops.token_history import token_history
 
 __all__ = ["PleMixer", "hashed_ngram_ids", "ngram_history"]
 
@@ -49,7 +48,8 @@ def ngram_history(input_ids: torch.Tensor, ctx: PackedContext, size: int,
                   eos: int) -> torch.Tensor:  # fmt: skip
     """int64 ``[B, L, size]``: column ``s`` holds the token ``s`` positions before each local
     token, or ``eos`` where that token is not in the token's document or an end-of-sequence token
-    lies between them (column 0 is the token itself).
+    lies between them (column 0 is the token itself): :func:`fcp.ops.token_history.token_history`
+    with the end-of-sequence id as both its ``fill`` and its ``reset``.
 
     ``input_ids`` ``[B, L]``: this rank's token ids. Example (``size=3``, ``eos=2``; documents
     ``[5, 6, 2, 7]`` and ``[8]``)::
@@ -57,24 +57,7 @@ def ngram_history(input_ids: torch.Tensor, ctx: PackedContext, size: int,
         tokens  5        6        2        7        8
         row     5 2 2    6 5 2    2 6 5    7 2 2    8 2 2
     """
-    ids = input_ids.long()
-    back = size - 1
-    if back == 0:
-        return ids[..., None]
-    n = ids.shape[1]
-    both = torch.cat([left_halo(ids, ctx, back), ids], 1)  # global tokens seq_start - back ..
-    pos = torch.arange(ctx.seq_start - back, ctx.seq_end, device=ids.device)
-    docs = torch.where(pos >= 0, ctx.doc_ids[:, pos.clamp(min=0)], PAD_DOC_ID)
-    mine = ctx.local_doc_ids
-    ok = mine != PAD_DOC_ID
-    cols = [ids]
-    for s in range(1, size):
-        j = back - s  # token t - s sits at column j + (t - seq_start) of ``both``
-        ok = ok & (docs[:, j : j + n] == mine)
-        if s > 1:  # the history restarts after an end-of-sequence token
-            ok = ok & (both[:, j + 1 : j + 1 + n] != eos)
-        cols.append(torch.where(ok, both[:, j : j + n], eos))
-    return torch.stack(cols, -1)
+    return token_history(input_ids, ctx, size, fill=eos, reset=eos)
 
 
 def hashed_ngram_ids(history: torch.Tensor, multipliers: torch.Tensor, vocab_sizes: torch.Tensor,

@@ -1,0 +1,123 @@
+"""Unit tests of the latent-attention operator (GLM-5.3-Flash's DSA indexed MLA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fcp.checks import ArgumentTypeError
+from fcp.context import PackedContext
+from fcp.ops.index_attention import index_attention
+from fcp.ops.latent_attention import latent_attention
+from fcp.ops.latent_attention.reference import latent_attention_reference
+from tests import _latent_attention_rank_fns as fns
+from tests.support.packing import packing, random_packings
+
+HEADS, DK, DV, RANK = 3, 4, 2, 5
+
+
+def inputs(seed: int, batch: int, seq: int, width: int = 5, bias: bool = True,
+           dtype=torch.float32) -> dict:  # fmt: skip
+    """q, latent, kv_weight (+ kv_bias) and indices with -1, future, other-document and
+    out-of-range ids (the operator must drop them)."""
+    g = torch.Generator().manual_seed(seed)
+    t = {"q": torch.randn(batch, seq, HEADS, DK, generator=g),
+         "latent": torch.randn(batch, seq, RANK, generator=g),
+         "kv_weight": torch.randn(HEADS * (DK + DV), RANK, generator=g) / RANK**0.5}  # fmt: skip
+    if bias:
+        t["kv_bias"] = torch.randn(HEADS * (DK + DV), generator=g)
+    t = {n: x.to(dtype) for n, x in t.items()}
+    t["indices"] = torch.randint(-2, seq + 2, (batch, seq, width), generator=g)
+    return t
+
+
+def test_equals_index_attention_of_the_expanded_latent():
+    """What the GLM-5.3-Flash mixer computed before the operator existed (expand with
+    ``kv_b_proj``, then ``index_attention(kv="global")``), bitwise, forward and backward."""
+    t = inputs(0, 2, 12)
+    ctx = PackedContext(packing(12, [5, 1, 6], [3, 4]))
+    grad_out = torch.randn(2, 12, HEADS, DV, generator=torch.Generator().manual_seed(1))
+
+    def old(q, latent, w, b):
+        kv = torch.nn.functional.linear(latent, w, b).view(2, 12, HEADS, DK + DV)
+        k, v = kv.split([DK, DV], -1)
+        return index_attention(q, k, v, t["indices"], ctx, scale=0.3, kv="global")
+
+    def new(q, latent, w, b):
+        return latent_attention(q, latent, w, t["indices"], ctx, kv_bias=b, scale=0.3)
+
+    results = []
+    for fn in (old, new):
+        leaves = [t[n].clone().requires_grad_() for n in ("q", "latent", "kv_weight", "kv_bias")]
+        out = fn(*leaves)
+        (out * grad_out).sum().backward()
+        results.append([out.detach()] + [x.grad for x in leaves])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_single_process_equals_the_reference_and_pads_get_zeros():
+    t = inputs(2, 2, 10, bias=False)
+    doc_ids = packing(10, [4, 3], [10])
+    ctx = PackedContext(doc_ids)
+    out = latent_attention(t["q"], t["latent"], t["kv_weight"], t["indices"], ctx, query_chunk=3)
+    want = latent_attention_reference(t["q"], t["latent"], t["kv_weight"], t["indices"], ctx)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert not out[doc_ids == 0].any()  # the pad tail of row 0
+
+
+def test_rejects_bad_arguments():
+    t = inputs(0, 1, 4)
+    ctx = PackedContext(torch.ones(1, 4, dtype=torch.long))
+    q, c, w, ids = t["q"], t["latent"], t["kv_weight"], t["indices"]
+    with pytest.raises(ArgumentTypeError, match="latent_attention: q must be"):
+        latent_attention(q.long(), c, w, ids, ctx)
+    with pytest.raises(ValueError, match=r"latent must have shape \[batch, local_seq, rank\]"):
+        latent_attention(q, c[:, :3], w, ids, ctx)
+    with pytest.raises(ValueError, match="kv_weight must have shape"):
+        latent_attention(q, c, w[:, :2], ids, ctx)
+    with pytest.raises(ValueError, match=r"kv_weight \(16, 5\) must have heads \* \(Dk \+ Dv\)"):
+        latent_attention(q, c, w[:16], ids, ctx)
+    with pytest.raises(ValueError, match="kv_bias"):
+        latent_attention(q, c, w, ids, ctx, kv_bias=t["kv_bias"][:3])
+    with pytest.raises(ArgumentTypeError, match="indices"):
+        latent_attention(q, c, w, ids.float(), ctx)
+    with pytest.raises(ValueError, match="width >= 1"):
+        latent_attention(q, c, w, ids[..., :0], ctx)
+    with pytest.raises(ValueError, match="query_chunk"):
+        latent_attention(q, c, w, ids, ctx, query_chunk=0)
+    with pytest.raises(ValueError, match="backend"):
+        latent_attention(q, c, w, ids, ctx, backend="flex")
+    with pytest.raises(ArgumentTypeError, match="ctx must be a PackedContext"):
+        latent_attention(q, c, w, ids, None)
+
+
+def test_compiled_on_ranks_is_one_graph_across_packings(rank_pool):
+    """2 ranks, ``fullgraph=True``, forward and backward: four packings compile once, equal
+    eager and synchronise nothing."""
+    t = inputs(3, 1, 8)
+    grad_out = torch.randn(1, 8, HEADS, DV, generator=torch.Generator().manual_seed(4))
+    doc_ids_list = random_packings(4, 1, 8, seed=2)
+    for frames, syncs, worst, _ in rank_pool.run(fns.cp_compile_rank, 2, t, doc_ids_list,
+                                                 grad_out):  # fmt: skip
+        assert (frames, syncs) == (1, []) and worst < 1e-5
+
+
+def test_nan_in_one_document_changes_no_other_document():
+    """NaN in document 2's latent and queries: every other token's output and q / latent
+    gradients are bitwise those of a clean run."""
+    t = inputs(5, 1, 12)
+    doc_ids = packing(12, [4, 5, 3])
+    ctx, poisoned = PackedContext(doc_ids), doc_ids == 2
+    grad_out = torch.randn(1, 12, HEADS, DV, generator=torch.Generator().manual_seed(6))
+    runs = []
+    for bad in (False, True):
+        q, c = t["q"].clone(), t["latent"].clone()
+        if bad:
+            q[poisoned], c[poisoned] = float("nan"), float("nan")
+        q.requires_grad_(), c.requires_grad_()
+        out = latent_attention(q, c, t["kv_weight"], t["indices"], ctx, kv_bias=t["kv_bias"])
+        (out * grad_out).sum().backward()
+        runs.append((out.detach()[~poisoned], q.grad[~poisoned], c.grad[~poisoned]))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
