@@ -7,6 +7,7 @@ models (their numerics: ``tests/test_hf_glm5.py``, ``tests/test_hf_families.py``
   methods;
 * a forward given a ``cp_context`` never runs the non-CP path silently: a decoder layer that drops
   the context, a KV cache, or a context of the wrong type raise, and leave nothing marked;
+* the context is checked once, where it enters (the model's forward, or a mixer called alone);
 * a configuration fcp cannot compute is refused by ``enable_packed_cp``, before any change;
 * a compiled mixer does not recompile across packings (nor because of the guard's marks);
 * the RoPE tables are transformers' own, for every rope type fcp accepts.
@@ -111,6 +112,34 @@ def test_a_kv_cache_or_a_wrong_context_with_cp_raises(family):
     assert_unmarked(model)
     with torch.no_grad():  # use_cache omitted: no cache is built whatever the config says
         assert model.config.use_cache and model(input_ids=ids, cp_context=ctx).cache is None
+
+
+def test_the_context_is_checked_once_where_it_enters(monkeypatch):
+    """A model forward checks its ``cp_context`` once, in its scope's pre-hook; the mixers it
+    reaches take it as checked. A mixer called on its own, outside an enabled model's forward,
+    is its own entry point: it checks the context (type, no KV cache) itself."""
+    from transformers import DynamicCache
+
+    import fcp.integrations.hf.core as core
+
+    calls, check = [], core.check_context
+    monkeypatch.setattr(core, "check_context",
+                        lambda *a, **k: calls.append(k["fn"]) or check(*a, **k))  # fmt: skip
+    model = enable_packed_cp(build("qwen3_next", QWEN3_NEXT_TINY))
+    local, ctx = packed_batch(3)
+    with torch.no_grad():
+        model(input_ids=local["input_ids"], cp_context=ctx)
+    assert calls == ["Qwen3NextModel.forward"]
+    attn, x = model.layers[1].self_attn, torch.randn(2, SEQ, QWEN3_NEXT_TINY["hidden_size"])
+    with torch.no_grad():
+        attn(x, position_embeddings=None, attention_mask=None, cp_context=ctx)
+    assert calls == ["Qwen3NextModel.forward", "PackedQwen3NextAttention.forward"]
+    with pytest.raises(TypeError, match="cp_context must be a PackedContext"):
+        attn(x, position_embeddings=None, attention_mask=None, cp_context=ctx.doc_ids)
+    with pytest.raises(ValueError, match="without a KV cache.*past_key_values"):
+        attn(x, position_embeddings=None, attention_mask=None, cp_context=ctx,
+             past_key_values=DynamicCache(config=model.config))  # fmt: skip
+    assert_unmarked(model)
 
 
 @pytest.mark.parametrize("family", ["glm5_next", "qwen3_next"])

@@ -262,7 +262,7 @@ def test_qsa_attention_alone_equals_transformers_on_each_document(index_heads):
                                        eps=ix.k_layernorm.eps)  # fmt: skip
     decided = 0
     with torch.no_grad():
-        ids = attn.fcp_select(x, ctx)
+        ids = attn.fcp_qsa_select(x, ctx)
         got = attn(x, position_embeddings=None, attention_mask=None, cp_context=ctx)[0]
         for r, row in enumerate(rows):
             start = 0

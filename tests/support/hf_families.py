@@ -1,10 +1,11 @@
 """The transformers families of the standard parity battery (``tests/test_hf_families.py``): what
 each one is, and the documents every family's reference shares.
 
-A family is a row of :data:`FAMILIES`: its tiny configuration (:mod:`tests.support.hf_reference`),
-the fcp mixer kind expected for each of its transformers mixer classes, its ``*ForCausalLM``
-class, how many Hypothesis packings its parity test draws, and over how many packings its
-compiled mixers are checked for recompiles (0: checked elsewhere, on the whole model)::
+A family is a row of :data:`FAMILIES`: its tiny configuration (the ``test_config`` of fcp's
+registry row, :mod:`fcp.integrations.hf.families`), the fcp mixer kind expected for each of its
+transformers mixer classes, its ``*ForCausalLM`` class, how many Hypothesis packings its parity
+test draws, and over how many packings its compiled mixers are checked for recompiles (0: checked
+elsewhere, on the whole model)::
 
     family = FAMILIES["lfm2"]
     family.mixers   # {"Lfm2Attention": GqaMixer, "Lfm2ShortConv": GatedShortConvMixer}

@@ -5,7 +5,8 @@ Families (:func:`build`): ``"glm5_next"`` (GLM-5.3-Flash), ``"kimi_linear"`` (Ki
 ``"olmo_hybrid"`` (OLMo-Hybrid), ``"bailing_hybrid"`` (Bailing-Hybrid / Ling), the Mamba2
 hybrids ``"nemotron_h"`` (Nemotron-H), ``"granitemoehybrid"`` (Granite 4.0-H), ``"falcon_h1"``
 (Falcon-H1), ``"bamba"`` (Bamba), ``"lfm2"`` / ``"lfm2_moe"`` (LFM2, LFM2-MoE) and
-``"qwen4_exp"`` (Qwen4-Exp's text model), each with a tiny configuration below.
+``"qwen4_exp"`` (Qwen4-Exp's text model): the rows of fcp's family registry
+(:mod:`fcp.integrations.hf.families`), each with its tiny configuration and text backbone class.
 
 transformers binds its hybrid models' recurrent kernels to FLA's Triton kernels whenever FLA is
 importable, and those fail on a CPU; with FLA blocked (``sys.modules["fla"] = None`` before
@@ -32,6 +33,7 @@ rule (equal scores to the earlier block); it returns a selection mask, read as s
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -42,154 +44,31 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: The issue's tiny GLM-5.3-Flash: well under a second per forward on a CPU.
-GLM5_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                 num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
-                 kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=8,
-                 v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                 index_topk=8, index_head_dim=8, index_n_heads=2, index_kpool=4,
-                 linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4, hc_mult=2,
-                 hc_sinkhorn_iters=3, pad_token_id=0)  # fmt: skip
 
-#: Tiny Kimi-Linear: KDA, NoPE MLA (kv latent 16, rope part 8, queries without LoRA), KDA.
-KIMI_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                 num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
-                                                   "linear_attention"],
-                 mlp_layer_types=["dense", "sparse", "dense"], num_attention_heads=2,
-                 num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
-                 qk_rope_head_dim=8, v_head_dim=8, linear_num_heads=2, linear_head_dim=8,
-                 linear_conv_kernel_dim=4, num_local_experts=4, num_experts_per_tok=2, n_group=1,
-                 topk_group=1, n_shared_experts=1, pad_token_id=0, bos_token_id=1,
-                 eos_token_id=2)  # fmt: skip
+def _tiny(name: str) -> dict:
+    """The tiny configuration of family ``name``'s parity tests: its registry row's
+    ``test_config`` as a plain, picklable deep copy (transformers' configs may edit nested
+    values, e.g. ``rope_parameters``, in place)."""
+    from fcp.integrations.hf.families import family
 
-#: Tiny Qwen3-Next: Gated DeltaNet (2 key heads, 4 value heads), gated GQA attention (4 query
-#: heads, 2 kv heads, head_dim 16, partial rotary 0.25: 4 rotated channels), Gated DeltaNet.
-QWEN3_NEXT_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                       layer_types=["linear_attention", "full_attention", "linear_attention"],
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                       linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
-                       num_experts_per_tok=2, moe_intermediate_size=16,
-                       shared_expert_intermediate_size=16, pad_token_id=0)  # fmt: skip
+    return copy.deepcopy(dict(family(name).test_config))
 
-_GDN_ATTN_GDN = ["linear_attention", "full_attention", "linear_attention"]
 
-#: Tiny Qwen3.5: Qwen3-Next's shapes with separate GDN projections; mRoPE text positions (rotary
-#: dim 8: 4 frequencies split over the three axes by mrope_section).
-QWEN3_5_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                    layer_types=_GDN_ATTN_GDN, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                    pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                     "partial_rotary_factor": 0.5,
-                                                     "mrope_section": [2, 1, 1]})  # fmt: skip
-
-#: Tiny Qwen3.5-MoE: the same mixers, a sparse MoE (4 experts, top 2, shared expert) per layer.
-QWEN3_5_MOE_TINY = dict({k: v for k, v in QWEN3_5_TINY.items() if k != "intermediate_size"},
-                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                        shared_expert_intermediate_size=16)  # fmt: skip
-
-#: Tiny OLMo-Hybrid: GDN (2 key heads, 4 value heads, beta scaled by 2), attention with q/k norm
-#: over all heads and RoPE (head_dim 8), post-norm decoder layers.
-OLMO_HYBRID_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                        layer_types=_GDN_ATTN_GDN, num_attention_heads=4, num_key_value_heads=2,
-                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                        linear_value_head_dim=8, linear_conv_kernel_dim=4, pad_token_id=0,
-                        eos_token_id=2, rope_parameters={"rope_type": "default",
-                                                         "rope_theta": 10000.0})  # fmt: skip
-
-#: Tiny Bailing-Hybrid: KDA (2 heads of 8), MLA with query LoRA 16, kv latent 16, interleaved RoPE
-#: on 4 channels per head and a per-head output gate, MoE (4 experts, top 2, shared expert).
-BAILING_HYBRID_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64,
-                           moe_intermediate_size=16, num_hidden_layers=3,
-                           layer_types=_GDN_ATTN_GDN, mlp_layer_types=["dense", "sparse", "dense"],
-                           num_attention_heads=2, num_key_value_heads=2, head_dim=8,
-                           q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-                           qk_rope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_tok=2,
-                           n_group=1, topk_group=1, n_shared_experts=1, short_conv_kernel_size=4,
-                           rope_theta=10000.0, pad_token_id=0, eos_token_id=2)  # fmt: skip
-
-#: Tiny Nemotron-H: Mamba2 (4 heads of 8, 2 groups, state 8, conv 4, chunks of 8 tokens), a MoE
-#: block (4 experts, top 2, shared expert), NoPE GQA attention (4 heads, 2 kv heads), Mamba2.
-NEMOTRON_H_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64,
-                       layers_block_type=["linear_attention", "moe", "full_attention",
-                                          "linear_attention"],
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
-                       conv_kernel=4, chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
-                       moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
-                       pad_token_id=0)  # fmt: skip
-
-#: Tiny Granite 4.0-H: Mamba2 (4 heads of 16, 2 groups, state 8, chunks of 8), GQA with RoPE and
-#: attention_multiplier scaling, Mamba2; MoE (4 experts, top 2) + shared MLP; muP multipliers.
-GRANITE_HYBRID_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16,
-                           shared_intermediate_size=32, num_hidden_layers=3,
-                           layer_types=["linear_attention", "full_attention", "linear_attention"],
-                           num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4,
-                           mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
-                           mamba_chunk_size=8, num_local_experts=4, num_experts_per_tok=2,
-                           position_embedding_type="rope", embedding_multiplier=2.0,
-                           residual_multiplier=0.5, attention_multiplier=0.3,
-                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                           pad_token_id=0)  # fmt: skip
-
-#: Tiny Falcon-H1: every layer runs Mamba2 (4 heads of 8, 2 groups, state 8, chunks of 8, gated
-#: RMSNorm per group, gate after the norm) and RoPE GQA in parallel; every muP multiplier != 1.
-FALCON_H1_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=32,
-                      mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
-                      mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
-                      ssm_multipliers=[0.5, 1.5, 0.7, 1.2, 0.9], ssm_in_multiplier=1.3,
-                      ssm_out_multiplier=0.8, attention_in_multiplier=0.9,
-                      attention_out_multiplier=1.1, key_multiplier=0.7, mlp_multipliers=[1.2, 0.8],
-                      embedding_multiplier=1.5, time_step_limit=(0.0, 3.0),
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                      pad_token_id=0)  # fmt: skip
-
-#: Tiny Bamba: Mamba2 (4 heads of 16, 2 groups, state 8, chunks of 8), GQA with RoPE on half of
-#: each head (Bamba's fixed partial_rotary_factor 0.5), Mamba2.
-BAMBA_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                  attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
-                  mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
-                  mamba_expand=2, mamba_chunk_size=8, pad_token_id=0,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
-
-#: Tiny LFM2: gated short conv (width 3, with biases), GQA with per-head q/k norm and RoPE (4
-#: heads, 2 kv heads, head_dim 8), gated short conv.
-LFM2_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                 layer_types=["conv", "full_attention", "conv"], num_attention_heads=4,
-                 num_key_value_heads=2, conv_L_cache=3, conv_bias=True,
-                 block_auto_adjust_ff_dim=False, pad_token_id=0,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
-
-#: Tiny LFM2-MoE: LFM2's mixers; a dense first layer, then MoE (4 experts, top 2, expert bias).
-LFM2_MOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64,
-                     moe_intermediate_size=16, num_hidden_layers=3,
-                     layer_types=["conv", "full_attention", "conv"], num_attention_heads=4,
-                     num_key_value_heads=2, conv_L_cache=3, num_dense_layers=1, num_experts=4,
-                     num_experts_per_tok=2, pad_token_id=0,
-                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
-
-#: Tiny Qwen4-Exp text model: Gated DeltaNet (2 key heads, 4 value heads) with PLE, Gated
-#: DeltaNet, QSA attention (4 query heads, 2 kv heads, head_dim 16, partial rotary 0.5: 8 rotated
-#: channels, mRoPE sections [2, 1, 1]; 2 index heads of 8, blocks of 4, budget 8 = 2 blocks),
-#: Gated DeltaNet with PLE; MoE everywhere, 2 hyper-connection streams; PLE: 3-grams (2 hashed
-#: orders x 2 heads of 4 over primes after 50), a width-4 conv at dilation 3; eos id 2.
-QWEN4_EXP_TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=4,
-                      layer_types=["linear_attention", "linear_attention", "indexed_attention",
-                                   "linear_attention"],
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                       "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]},
-                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                      linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
-                      num_experts_per_tok=2, moe_intermediate_size=16,
-                      shared_expert_intermediate_size=16, hc_count=2, hc_lowrank=8,
-                      ple_layer_ids=[1, 4], ple_embed_dim=16, ple_conv_kernel_size=4,
-                      ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50,
-                      make_ngram_vocab_size_divisible_by=8, indexer_n_heads=2, indexer_kv_heads=1,
-                      indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4,
-                      pad_token_id=0, eos_token_id=2)  # fmt: skip
+# the families' tiny configurations (the registry, fcp/integrations/hf/families/, holds them)
+GLM5_TINY = _tiny("glm5_next")
+KIMI_TINY = _tiny("kimi_linear")
+QWEN3_NEXT_TINY = _tiny("qwen3_next")
+QWEN3_5_TINY = _tiny("qwen3_5")
+QWEN3_5_MOE_TINY = _tiny("qwen3_5_moe")
+OLMO_HYBRID_TINY = _tiny("olmo_hybrid")
+BAILING_HYBRID_TINY = _tiny("bailing_hybrid")
+NEMOTRON_H_TINY = _tiny("nemotron_h")
+GRANITE_HYBRID_TINY = _tiny("granitemoehybrid")
+FALCON_H1_TINY = _tiny("falcon_h1")
+BAMBA_TINY = _tiny("bamba")
+LFM2_TINY = _tiny("lfm2")
+LFM2_MOE_TINY = _tiny("lfm2_moe")
+QWEN4_EXP_TINY = _tiny("qwen4_exp")
 
 #: Parameters whose default initialisation makes terms of the formulas vanish (all-ones gates,
 #: zero positional terms, zero-centred norms): the tests perturb them so every term matters.
@@ -215,35 +94,17 @@ _PERTURB_BY_FAMILY = {
     "qwen4_exp": ("A_log", "dt_bias", "norm", "conv1d"),
 }
 
-#: family -> (transformers module, config class, text model class)
-_MODULES = {
-    "glm5_next": ("glm5_next", "Glm5NextTextConfig", "Glm5NextTextModel"),
-    "kimi_linear": ("kimi_linear", "KimiLinearConfig", "KimiLinearModel"),
-    "qwen3_next": ("qwen3_next", "Qwen3NextConfig", "Qwen3NextModel"),
-    "qwen3_5": ("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5TextModel"),
-    "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeTextModel"),
-    "olmo_hybrid": ("olmo_hybrid", "OlmoHybridConfig", "OlmoHybridModel"),
-    "bailing_hybrid": ("bailing_hybrid", "BailingHybridConfig", "BailingHybridModel"),
-    "nemotron_h": ("nemotron_h", "NemotronHConfig", "NemotronHModel"),
-    "granitemoehybrid": ("granitemoehybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridModel"),
-    "falcon_h1": ("falcon_h1", "FalconH1Config", "FalconH1Model"),
-    "bamba": ("bamba", "BambaConfig", "BambaModel"),
-    "lfm2": ("lfm2", "Lfm2Config", "Lfm2Model"),
-    "lfm2_moe": ("lfm2_moe", "Lfm2MoeConfig", "Lfm2MoeModel"),
-    "qwen4_exp": ("qwen4_exp", "Qwen4ExpTextConfig", "Qwen4ExpTextModel"),
-}
-
 
 def _model_class(family: str):
-    if family not in _MODULES:
-        raise ValueError(f"unknown family {family!r}; known: {sorted(_MODULES)}")
+    """``(config class, text model class)`` of ``family`` (its registry row's ``text_model``)."""
     import importlib
 
-    name, config_class, model_class = _MODULES[family]
-    package = f"transformers.models.{name}"
-    configs = importlib.import_module(f"{package}.configuration_{name}")
-    models = importlib.import_module(f"{package}.modeling_{name}")
-    return getattr(configs, config_class), getattr(models, model_class)
+    from fcp.integrations.hf.families import family as row
+
+    text_model = row(family).text_model  # an unknown family raises a ValueError naming the known
+    models = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls = getattr(models, text_model)
+    return cls.config_class, cls
 
 
 def build(family: str, config: dict, seed: int = 0):

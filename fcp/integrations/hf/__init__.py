@@ -22,51 +22,10 @@ Qwen3.5, an ``nn.Conv1d`` or ``nn.GRU`` over the sequence; the rule: :mod:`.cove
 context. :func:`packed_mixers` lists what was replaced (also logged at INFO, logger ``"fcp"``),
 :func:`unreplaced_mixers` what the rule flags.
 
-Supported mixers (:data:`SUPPORTED`; the adapters in :mod:`.models`, the kinds in
-:mod:`.mixers`), and what each exchanges under CP (every KDA / Gated DeltaNet layer: a
-``(W - 1)``-token left halo of its conv input and one fp32 state-chain all-gather of
-``[batch, value_heads, K, K + V]``; nothing else):
-
-* GLM-5.3-Flash (``glm5_next``): ``Glm5NextTextLinearAttention`` (KDA) and
-  ``Glm5NextTextAttention`` (k-pool DSA indexer + MLA over the selected tokens, cross-layer
-  top-k sharing): all-gathers its compressed KV latent (``kv_lora_rank`` per token) and the
-  indexer's pooled keys, never the expanded K/V or the hidden states.
-* Kimi-Linear (``kimi_linear``): ``KimiLinearDeltaAttention`` (KDA) and ``KimiLinearAttention``
-  (NoPE MLA, causal within each document): all-gathers its expanded K/V
-  (``heads * (qk_head_dim + v_head_dim)`` per token).
-* Qwen3-Next (``qwen3_next``): ``Qwen3NextGatedDeltaNet`` (Gated DeltaNet) and
-  ``Qwen3NextAttention`` (gated GQA, q/k RMSNorm, partial RoPE at **document-local** positions
-  computed from the layer's own config, :mod:`.rope`): all-gathers K/V (``2 * kv_heads *
-  head_dim`` per token, K already rotated).
-* Qwen3.5 (``qwen3_5``) and Qwen3.5-MoE (``qwen3_5_moe``): ``Qwen3_5(Moe)GatedDeltaNet`` (Gated
-  DeltaNet, separate projections) and ``Qwen3_5(Moe)Attention`` (Qwen3-Next's attention code; its
-  mRoPE text positions are 1-D RoPE at document-local positions): as Qwen3-Next.
-* OLMo-Hybrid (``olmo_hybrid``): ``OlmoHybridGatedDeltaNet`` (``beta = 2 sigmoid(b)``) and
-  ``OlmoHybridAttention`` (q/k norm over all heads, RoPE or NoPE): as Qwen3-Next.
-* Bailing-Hybrid / Ling (``bailing_hybrid``): ``BailingHybridDeltaAttention`` (KDA) and
-  ``BailingHybridAttention`` (MLA, interleaved RoPE on ``qk_rope_head_dim`` channels, per-head
-  output gate): all-gathers its expanded K/V, as Kimi-Linear.
-* The Mamba2 hybrids Nemotron-H (``nemotron_h``: ``NemotronHMamba2Mixer``,
-  ``NemotronHAttention``, NoPE), Granite 4.0-H (``granitemoehybrid``:
-  ``GraniteMoeHybridMambaLayer``, ``GraniteMoeHybridAttention``, RoPE or NoPE), Falcon-H1
-  (``falcon_h1``: ``FalconH1Mixer`` and ``FalconH1Attention`` side by side in every layer, muP
-  multipliers) and Bamba (``bamba``: ``BambaMixer``, ``BambaAttention``, RoPE on half of each
-  head): a Mamba2 layer exchanges the ``(W - 1)``-token halo of its conv over ``[x | B | C]``
-  and one fp32 state-chain all-gather of ``[batch, heads, N, N + P]`` (``N`` the SSM state size,
-  ``P`` the head dim); an attention layer all-gathers K/V.
-* LFM2 (``lfm2``) and LFM2-MoE (``lfm2_moe``): ``Lfm2(Moe)ShortConv`` (gated short conv:
-  exchanges its ``(W - 1)``-token halo of ``[batch, tokens, hidden]``) and ``Lfm2(Moe)Attention``
-  (GQA, per-head q/k norm, RoPE): all-gathers K/V.
-
-Qwen3.5's vision-language wrappers hold the same text model: text runs on fcp, and image or
-video inputs given with a ``cp_context`` raise a ``ValueError`` (not supported yet).
-* Qwen4-Exp (``qwen4_exp``: Qwen3.8-Flash-Next; :mod:`.qwen4_exp`): ``Qwen4ExpTextGatedDeltaNet``
-  (Gated DeltaNet, separate projections), ``Qwen4ExpTextAttention`` (gated GQA over a QSA
-  selection: the indexer's ``ratio - 1`` token halo, ``ceil(L / ratio)`` compressed keys per
-  rank, K/V), ``Qwen4ExpTextPLELayer`` (hashed n-gram Per-Layer Embeddings: an integer halo of
-  ``ngram_size - 1`` token ids, the dilated conv's ``(width - 1) * ngram_size`` token halo) and
-  ``Qwen4ExpTextDecoderLayer`` (hands the context to its PLE, which transformers calls without
-  ``**kwargs``). Image / video inputs with a context raise.
+Supported families and mixers: the registry :mod:`fcp.integrations.hf.families`, one module and
+one row per transformers family (what each replaces, with which mixer kind of :mod:`.mixers`, and
+what crosses ranks per layer); :data:`SUPPORTED` and :func:`enable_packed_cp`'s refusal are
+derived from it, and ``python -m fcp.integrations.hf.families`` prints the README's model table.
 
 transformers binds these models' recurrent kernels to FLA's Triton kernels whenever FLA is
 importable (they fail on a CPU); given a ``cp_context`` the mixers never take that path: they run
@@ -83,11 +42,10 @@ from torch import nn
 from fcp.integrations.hf.causal_lm import CausalLMLoss
 from fcp.integrations.hf.core import ContextScope, FcpMixer, UnreplacedGuard, fcp_class, replace
 from fcp.integrations.hf.coverage import unreplaced
+from fcp.integrations.hf.families import SUPPORTED, supported_families
 from fcp.integrations.hf.mixers import GatedDeltaNetMixer, GatedShortConvMixer, GqaMixer
 from fcp.integrations.hf.mixers import IndexedMlaMixer, KdaMixer, MlaMixer, PleMixer, QsaGqaMixer
 from fcp.integrations.hf.mixers import SsdMixer
-from fcp.integrations.hf.models import ADAPTERS
-from fcp.integrations.hf.qwen4_exp import ADAPTERS as QWEN4_EXP_ADAPTERS
 
 __all__ = [
     "SUPPORTED",
@@ -108,10 +66,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("fcp")
-
-#: transformers class name -> the fcp mixer (a kind or a model's adapter) that replaces it
-#: (:mod:`.models`; Qwen4-Exp's own module, :mod:`.qwen4_exp`, builds on its Qwen3-Next rows).
-SUPPORTED = {**ADAPTERS, **QWEN4_EXP_ADAPTERS}
 
 
 def enable_packed_cp(model: nn.Module, *, allow_unreplaced: bool = False) -> nn.Module:
@@ -154,8 +108,8 @@ def enable_packed_cp(model: nn.Module, *, allow_unreplaced: bool = False) -> nn.
         return isinstance(m, FcpMixer) or id(m) in pending
 
     if not any(is_fcp(m) for m in model.modules()):
-        raise ValueError(f"enable_packed_cp: {type(model).__name__} has no supported token mixer "
-                         f"(supported: {sorted(SUPPORTED)})")  # fmt: skip
+        raise ValueError(f"enable_packed_cp: {type(model).__name__} has no supported token mixer; "
+                         f"the supported families and their mixers:\n{supported_families()}")
     left = unreplaced(model, is_fcp)
     refused = {name: m for name, m in left.items()
                if not allow_unreplaced and UnreplacedGuard.of(m) is None}  # fmt: skip

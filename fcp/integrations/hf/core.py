@@ -40,8 +40,13 @@ runs, the module raises a ``ValueError`` naming itself. The mark lives in the ho
 class and attributes are untouched.
 
 The check runs in :meth:`FcpMixer.__call__`, outside a mixer compiled with
-``mixer.compile(...)`` (which compiles ``_call_impl``), and reads the mark only when no context
-was given: a compiled mixer never guards on it and does not recompile when it changes.
+``mixer.compile(...)`` (which compiles ``_call_impl``): a compiled mixer never guards on the mark
+and does not recompile when it changes.
+
+**The context is checked once, where it enters.** A forward given a ``cp_context`` checks it
+(its type, no KV cache, text only) in the scope's pre-hook; the mixers it reaches, marked by
+that scope, take it as checked. A mixer called with a context outside an enabled model's forward
+(an attention layer used on its own) is its own entry point and checks it in its ``__call__``.
 """
 
 from __future__ import annotations
@@ -79,7 +84,8 @@ class FcpMixer(nn.Module):
     A mixer kind subclasses it and defines ``fcp_forward(hidden_states, ctx, **kwargs)``: the
     packed-document, contiguous-CP computation, returning what the transformers ``forward``
     returns (a tensor, or a tuple). ``fcp_check(module)`` (a classmethod) rejects, before the
-    swap, a configuration the kind cannot compute.
+    swap, a configuration the kind cannot compute. These two and each kind's own steps are
+    stated as protocols in :mod:`fcp.integrations.hf.mixers.protocols`.
     """
 
     #: Qualified names (one per enclosing forward given a ``cp_context``) under which this mixer
@@ -95,23 +101,28 @@ class FcpMixer(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} defines no fcp_forward")
 
     def __call__(self, *args, **kwargs):
-        if kwargs.get("cp_context") is None and self.fcp_expected_by:
-            name = self.fcp_expected_by[0] or type(self).__name__  # "": the model enabled itself
-            layer = name.rpartition(".")[0] or "its caller"
-            raise ValueError(
-                f"{name} ({type(self).__name__}) was called without `cp_context` inside a "
-                f"forward that was given one: its decoder layer ({layer}) did not forward "
-                "`cp_context` (transformers passes it down through `**kwargs`), and running "
-                "the mixer would silently take the non-CP path"
-            )
+        ctx = kwargs.get("cp_context")
+        if self.fcp_expected_by:  # inside a forward whose scope checked the context it was given
+            if ctx is None:
+                name = self.fcp_expected_by[0] or type(self).__name__  # "": enabled on its own
+                layer = name.rpartition(".")[0] or "its caller"
+                raise ValueError(
+                    f"{name} ({type(self).__name__}) was called without `cp_context` inside a "
+                    f"forward that was given one: its decoder layer ({layer}) did not forward "
+                    "`cp_context` (transformers passes it down through `**kwargs`), and running "
+                    "the mixer would silently take the non-CP path"
+                )
+        elif ctx is not None and ContextScope.of(self) is None:
+            # called directly, outside any enabled model: the context enters here (a mixer with
+            # a scope of its own checks it in that scope's pre-hook)
+            _check_entry(ctx, kwargs, f"{type(self).__name__}.forward")
         return super().__call__(*args, **kwargs)
 
     def forward(self, *args, cp_context=None, **kwargs):
         if cp_context is None:
             return super().forward(*args, **kwargs)  # transformers' own code, untouched
+        # cp_context was checked where it entered (module doc): __call__ or a scope's pre-hook
         fn = f"{type(self).__name__}.forward"
-        check_context(cp_context, fn=fn, name="cp_context")
-        _check_no_cache(kwargs, fn)
         if not args:
             args = (kwargs.pop("hidden_states"),)
         if len(args) > 1:
@@ -153,7 +164,10 @@ def _cache_argument(kwargs: dict) -> str | None:
     return None
 
 
-def _check_no_cache(kwargs: dict, fn: str) -> None:
+def _check_entry(ctx, kwargs: dict, fn: str) -> None:
+    """The one check of a context where it enters: a :class:`PackedContext`, and no KV cache
+    among the call's ``kwargs`` (fcp runs full packed sequences)."""
+    check_context(ctx, fn=fn, name="cp_context")
     found = _cache_argument(kwargs)
     if found is not None:
         raise ValueError(f"{fn}: fcp runs without a KV cache (full packed sequences); got "
@@ -251,11 +265,11 @@ class ContextScope:
                  guards: list[tuple[str, UnreplacedGuard]] = ()) -> None:  # fmt: skip
         """Register ``model``'s scope, or update the mixers and guards of the one it has
         (idempotent)."""
-        for hook in model._forward_pre_hooks.values():
-            if isinstance(getattr(hook, "__self__", None), ContextScope):
-                hook.__self__.mixers = mixers
-                hook.__self__.guards = list(guards)
-                return
+        scope = ContextScope.of(model)
+        if scope is not None:
+            scope.mixers = mixers
+            scope.guards = list(guards)
+            return
         params = inspect.signature(model.forward).parameters
         scope = ContextScope(mixers, "use_cache" in params, positional_parameters(model), guards)
         # a model that holds the decoder layers builds transformers' masks itself: under a
@@ -265,6 +279,13 @@ class ContextScope:
             getattr(model, "layers", None), nn.ModuleList)
         model.register_forward_pre_hook(scope.enter, with_kwargs=True)
         model.register_forward_hook(scope.exit, with_kwargs=True, always_call=True)
+
+    @staticmethod
+    def of(model: nn.Module) -> ContextScope | None:
+        """``model``'s scope, if it has one."""
+        hooks = model._forward_pre_hooks.values()
+        return next((h.__self__ for h in hooks
+                     if isinstance(getattr(h, "__self__", None), ContextScope)), None)  # fmt: skip
 
     no_masks = False
 
@@ -286,8 +307,7 @@ class ContextScope:
         if ctx is None:
             return None
         fn = f"{type(model).__name__}.forward"
-        check_context(ctx, fn=fn, name="cp_context")
-        _check_no_cache(kwargs, fn)
+        _check_entry(ctx, kwargs, fn)  # the context's one check on its way into the model
         _check_text_only(self.arguments(args, kwargs), fn)
         if self.default_no_cache and "use_cache" not in kwargs:
             kwargs = dict(kwargs, use_cache=False)

@@ -1,7 +1,8 @@
 """fcp mixer kinds: one module per kind of token mixer, each an
 :class:`~fcp.integrations.hf.core.FcpMixer` whose ``fcp_forward`` is the packed-document,
 contiguous-CP computation, written as a few overridable steps (``fcp_*`` methods) that a model's
-adapter (:mod:`fcp.integrations.hf.models`) fills in or changes.
+adapter (:mod:`fcp.integrations.hf.families`) fills in or changes. Each kind's steps are a
+:class:`typing.Protocol` of :mod:`.protocols` (:data:`STEPS`), one contract per step name.
 
 * :class:`KdaMixer` (:mod:`.kda`): short conv + Kimi Delta Attention + gated norm.
 * :class:`GatedDeltaNetMixer` (:mod:`.gdn`): short conv + Gated DeltaNet + SiLU-gated norm.
@@ -21,8 +22,17 @@ from fcp.integrations.hf.mixers.kda import KdaMixer
 from fcp.integrations.hf.mixers.mamba2 import SsdMixer
 from fcp.integrations.hf.mixers.mla import IndexedMlaMixer, MlaMixer
 from fcp.integrations.hf.mixers.ple import PleMixer
+from fcp.integrations.hf.mixers.protocols import GdnSteps, GqaSteps, IndexedMlaSteps, KdaSteps
+from fcp.integrations.hf.mixers.protocols import MlaSteps, PleSteps, QsaSteps, ShortConvSteps
+from fcp.integrations.hf.mixers.protocols import SsdSteps
 from fcp.integrations.hf.mixers.qsa import QsaGqaMixer
 from fcp.integrations.hf.mixers.short_conv import GatedShortConvMixer
 
-__all__ = ["GatedDeltaNetMixer", "GatedShortConvMixer", "GqaMixer", "IndexedMlaMixer", "KdaMixer",
-           "MlaMixer", "PleMixer", "QsaGqaMixer", "SsdMixer"]  # fmt: skip
+__all__ = ["STEPS", "GatedDeltaNetMixer", "GatedShortConvMixer", "GqaMixer", "IndexedMlaMixer",
+           "KdaMixer", "MlaMixer", "PleMixer", "QsaGqaMixer", "SsdMixer"]  # fmt: skip
+
+#: mixer kind -> the protocol of its ``fcp_*`` steps (a subclass of a kind, an adapter, keeps its
+#: kind's; a subclass kind, e.g. :class:`QsaGqaMixer` of :class:`GqaMixer`, has a sub-protocol)
+STEPS = {KdaMixer: KdaSteps, GatedDeltaNetMixer: GdnSteps, GqaMixer: GqaSteps,
+         QsaGqaMixer: QsaSteps, SsdMixer: SsdSteps, GatedShortConvMixer: ShortConvSteps,
+         MlaMixer: MlaSteps, IndexedMlaMixer: IndexedMlaSteps, PleMixer: PleSteps}  # fmt: skip

@@ -5,16 +5,18 @@ Qwen4-Exp) on fcp's operators.
 
     qkv, z, b, a = fcp_projections(x)            # the model's projection layout (adapter)
     q, k, v = split(conv(qkv))                   # short conv over [q | k | v], SiLU
-    o = kda(l2norm(q), l2norm(k), v, fcp_decay(a), fcp_beta(b), ctx, scale=head_k_dim ** -0.5)
-    out = fcp_output(o, z)                       # SiLU-gated RMSNorm with z, output projection
+    g, beta = fcp_decay_from_logit(a), fcp_beta_from_logit(b)
+    o = kda(l2norm(q), l2norm(k), v, g, beta, ctx, scale=head_k_dim ** -0.5)
+    out = fcp_gated_output(o, z)                 # SiLU-gated RMSNorm with z, output projection
 
 :func:`fcp.ops.kda.kda` with one decay per value head is Gated DeltaNet; value head ``h`` reads
 key head ``h // (num_v_heads // num_k_heads)`` (transformers' ``repeat_interleave``). The
 attribute names are the ones Qwen3-Next, Qwen3.5 and OLMo-Hybrid share (``num_k_heads``,
 ``num_v_heads``, ``head_k_dim``, ``head_v_dim``, ``key_dim``, ``value_dim``, ``conv1d``,
 ``A_log``, ``dt_bias``); the projections differ per model, so ``fcp_projections`` is the
-adapter's (OLMo-Hybrid also overrides ``fcp_beta``: ``2 * sigmoid(b)``, and ``fcp_output``: its
-``o_norm`` / ``o_proj``). Under CP: the conv halo and one fp32 state-chain all-gather.
+adapter's (OLMo-Hybrid also overrides ``fcp_beta_from_logit``: ``2 * sigmoid(b)``, and
+``fcp_gated_output``: its ``o_norm`` / ``o_proj``). The steps' contracts:
+:class:`~.protocols.GdnSteps`. Under CP: the conv halo and one fp32 state-chain all-gather.
 """
 
 from __future__ import annotations
@@ -42,14 +44,14 @@ class GatedDeltaNetMixer(FcpMixer):
         the conv input ``[q | k | v]``, the output gate, the beta and decay logits."""
         raise NotImplementedError(f"{type(self).__name__}: the adapter defines fcp_projections")
 
-    def fcp_beta(self, b: torch.Tensor) -> torch.Tensor:
+    def fcp_beta_from_logit(self, b: torch.Tensor) -> torch.Tensor:
         return b.sigmoid()
 
-    def fcp_decay(self, a: torch.Tensor) -> torch.Tensor:
+    def fcp_decay_from_logit(self, a: torch.Tensor) -> torch.Tensor:
         """One log decay per value head, fp32: ``-exp(A_log) * softplus(a + dt_bias)``."""
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
-    def fcp_output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def fcp_gated_output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """``o [B, L, HV, V]`` (fp32) -> ``[B, L, D]``: the RMSNorm gated by ``z``, ``out_proj``."""
         return self.out_proj(self.norm(o.to(z.dtype), z).flatten(2))
 
@@ -60,6 +62,7 @@ class GatedDeltaNetMixer(FcpMixer):
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = (t.reshape(b, n, self.num_k_heads, self.head_k_dim) for t in (q, k))
         v = v.reshape(b, n, self.num_v_heads, self.head_v_dim)
-        o = kda(l2norm(q), l2norm(k), v, self.fcp_decay(a), self.fcp_beta(beta_logit), ctx,
+        o = kda(l2norm(q), l2norm(k), v, self.fcp_decay_from_logit(a),
+                self.fcp_beta_from_logit(beta_logit), ctx,
                 scale=self.head_k_dim**-0.5)  # fmt: skip
-        return self.fcp_output(o, z)
+        return self.fcp_gated_output(o, z)

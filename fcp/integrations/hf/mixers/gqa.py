@@ -4,21 +4,21 @@ Falcon-H1 and Bamba) on fcp's operators.
 
 ``fcp_forward(hidden_states [B, L, D], ctx) -> (out [B, L, D], None)``::
 
-    q, k, v, gate = fcp_qkv(x)        # [B, L, H, Dh], [B, L, Hkv, Dh] x 2, [B, L, H * Dh] or None
-    q, k = fcp_rotate(q, k, ctx)      # RoPE at document-local positions (fcp.integrations.hf.rope)
-    o = fcp_attend(q, k, v, x, ctx)   # causal within each document, scale self.scaling
-    out = fcp_output(o, gate)         # o * sigmoid(gate) if gated, then o_proj
+    q, k, v, gate = fcp_qkv(x)           # [B, L, H, Dh], [B, L, Hkv, Dh] x 2, [B, L, H * Dh] | None
+    q, k = fcp_rotate_qk(q, k, ctx)      # RoPE at document-local positions (.rope)
+    o = fcp_attend(q, k, v, x, ctx)      # causal within each document, scale self.scaling
+    out = fcp_attention_output(o, gate)  # o * sigmoid(gate) if gated, then o_proj
 
 ``fcp_qkv`` defaults to the Llama layout (``q_proj`` / ``k_proj`` / ``v_proj`` split into heads of
 ``head_dim``, no norm, no gate); an adapter overrides it where the model differs (per-head or
-full-width q/k norms, a fused output gate, a key multiplier). ``fcp_rotate`` computes the tables
-from the mixer's own ``config`` (partial rotary: the first ``int(head_dim *
+full-width q/k norms, a fused output gate, a key multiplier). ``fcp_rotate_qk`` computes the
+tables from the mixer's own ``config`` (partial rotary: the first ``int(head_dim *
 partial_rotary_factor)`` channels); where ``fcp_uses_rope(config)`` is false (NoPE: Nemotron-H,
 Granite 4.0-H without ``position_embedding_type="rope"``, OLMo-Hybrid without ``rope_theta``) it
 returns ``q, k``. ``fcp_attend`` is
 :func:`fcp.ops.doc_causal.doc_causal_attention` (under CP: an all-gather of K/V); a sparse
 attention (Qwen4-Exp's QSA selection) overrides it. The ``position_embeddings`` transformers
-passes (computed at row positions) are ignored.
+passes (computed at row positions) are ignored. The steps' contracts: :class:`~.protocols.GqaSteps`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class GqaMixer(FcpMixer):
         q, k, v = (proj(x).view(shape) for proj in (self.q_proj, self.k_proj, self.v_proj))
         return q, k, v, None
 
-    def fcp_rotate(self, q: torch.Tensor, k: torch.Tensor, ctx: PackedContext):
+    def fcp_rotate_qk(self, q: torch.Tensor, k: torch.Tensor, ctx: PackedContext):
         if not self.fcp_uses_rope(self.config):
             return q, k
         cos, sin = rope_tables(self.config, ctx.local_position_ids, q.dtype)
@@ -63,13 +63,13 @@ class GqaMixer(FcpMixer):
         """``[B, L, H, Dh]``: softmax attention to the earlier tokens of each query's document."""
         return doc_causal_attention(q, k, v, ctx, scale=self.scaling)
 
-    def fcp_output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    def fcp_attention_output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
 
     def fcp_forward(self, hidden_states: torch.Tensor, ctx: PackedContext, **_):
         q, k, v, gate = self.fcp_qkv(hidden_states)
-        q, k = self.fcp_rotate(q, k, ctx)
+        q, k = self.fcp_rotate_qk(q, k, ctx)
         o = self.fcp_attend(q, k, v, hidden_states, ctx)
-        return self.fcp_output(o.flatten(2), gate), None
+        return self.fcp_attention_output(o.flatten(2), gate), None

@@ -8,7 +8,7 @@ operators: the state-space duality (SSD) as gated linear attention.
     x, B, C = split(short_conv(xBC, SiLU))   # one depthwise conv over [x | B | C]
     dt = softplus(dt + dt_bias).clamp(*time_step_limit)          # the layer's dtype, then fp32
     y = gla(C, B, dt * x, dt * -exp(A_log), ctx, scale=1) + D * x  # fp32 [B, L, H, P]
-    out = fcp_output(y, z)                   # gated RMSNorm with z, out_proj
+    out = fcp_ssd_output(y, z)               # gated RMSNorm with z, out_proj
 
 Per head ``h`` (``P = head_dim``, ``N = ssm_state_size``) the SSD recurrence
 ``S_t = exp(dt_t A_h) S_{t-1} + (dt_t x_t) B_t^T``, ``y_t = S_t C_t + D_h x_t`` is
@@ -23,13 +23,12 @@ The attribute names are the ones all four families share (``in_proj``, ``conv1d`
 ``ssm_state_size``, ``intermediate_size``, ``conv_dim``, ``chunk_size``, ``time_step_limit``,
 ``activation``); the gated RMSNorm (``norm(y, z)``: group size, gate before or after the norm) is
 the layer's own module. Falcon-H1's adapter overrides ``fcp_project`` (its muP multipliers) and
-``fcp_output`` (an optional norm).
+``fcp_ssd_output`` (an optional norm). The steps' contracts: :class:`~.protocols.SsdSteps`.
 
 The chunk size changes rounding only; it is fcp's, not the model's (a tile size of mamba_ssm's
 kernels: 128 in Nemotron-H, 256 in Granite 4.0-H, Falcon-H1 and Bamba): 64, the operator's
-default, or the largest power of two not above a smaller ``chunk_size`` of the layer. On a CPU
-:func:`~fcp.ops.gla.gla` forward + backward at 8k tokens (8 heads, N = 64, P = 32) takes 1.6x
-the time at chunks of 128 and 4.7x at 256, and saves 1.3x the activations at 128.
+default, or the largest power of two not above a smaller ``chunk_size`` of the layer (larger
+chunks cost more time and activations on a CPU: ``docs/performance.md``).
 
 Under CP a layer exchanges the conv's ``W - 1``-token left halo of ``[x | B | C]`` and one fp32
 state-chain all-gather of ``[B, H, N, N + P]``.
@@ -60,7 +59,7 @@ class SsdMixer(FcpMixer):
         """``[B, L, intermediate_size + conv_dim + num_heads]``: ``[z | x B C | dt]``."""
         return self.in_proj(x)
 
-    def fcp_output(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def fcp_ssd_output(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``y [B, L, H * P]`` (fp32) -> ``[B, L, D]``: the RMSNorm gated by ``z``, ``out_proj``."""
         return self.out_proj(self.norm(y, z).to(dtype))
 
@@ -83,4 +82,4 @@ class SsdMixer(FcpMixer):
         y = gla(cq, bk, x * dt[..., None], decay, ctx, scale=1.0,
                 chunk_size=self.fcp_chunk_size())  # fmt: skip
         y = y + self.D[..., None] * x
-        return self.fcp_output(y.reshape(b, n, -1), z, hidden_states.dtype)
+        return self.fcp_ssd_output(y.reshape(b, n, -1), z, hidden_states.dtype)

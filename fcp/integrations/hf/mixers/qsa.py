@@ -4,10 +4,10 @@ the QSA layers of Qwen3.8-Flash-Next) on fcp's operators.
 A :class:`~fcp.integrations.hf.mixers.gqa.GqaMixer` whose ``fcp_attend`` attends only to the
 tokens the layer's QSA indexer selects::
 
-    ids = fcp_select(x, ctx)                  # int64 [B, L, budget + ratio - 1] global ids
+    ids = fcp_qsa_select(x, ctx)              # int64 [B, L, budget + ratio - 1] global ids
     o = index_attention(q, k, v, ids, ctx)    # softmax over exactly those tokens, GQA
 
-``fcp_select`` reads the indexer submodule ``self.indexer`` by Qwen4-Exp's names:
+``fcp_qsa_select`` reads the indexer submodule ``self.indexer`` by Qwen4-Exp's names:
 ``index_qk_proj`` (``[index_heads * Di | Di]``: the raw index queries and the one index key
 head), ``q_layernorm`` / ``k_layernorm`` (zero-centred RMSNorms), ``index_n_heads``,
 ``index_head_dim``, ``token_budget``, ``compress_ratio``. The RoPE tables are the attention's own
@@ -71,7 +71,7 @@ class QsaGqaMixer(GqaMixer):
             return (q.view(b, n, ix.index_n_heads, ix.index_head_dim), k, ix.q_layernorm.weight,
                     ix.k_layernorm.weight, cos[..., :half], sin[..., :half])  # fmt: skip
 
-    def fcp_select(self, x: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+    def fcp_qsa_select(self, x: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         """int64 ``[B, L, budget + ratio - 1]``: the global token ids each query attends to."""
         ix = self.indexer
         return qsa_indexer(*self.fcp_index_inputs(x, ctx), ctx, budget=ix.token_budget,
@@ -79,4 +79,4 @@ class QsaGqaMixer(GqaMixer):
 
     def fcp_attend(self, q, k, v, x: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         """``[B, L, H, Dh]``: softmax attention to the selected tokens of each query's document."""
-        return index_attention(q, k, v, self.fcp_select(x, ctx), ctx, scale=self.scaling)
+        return index_attention(q, k, v, self.fcp_qsa_select(x, ctx), ctx, scale=self.scaling)
