@@ -1,4 +1,5 @@
-"""The README's data x context training block, run on gloo ranks (``tests/test_readme.py``)."""
+"""The README's data x context training block and the docs' multi-rank blocks, run on gloo ranks
+(``tests/test_readme.py``, ``tests/test_docs.py``)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,9 @@ def training_block(env, code: str, global_batch: dict):
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     frozen = sorted(n for n in before if torch.equal(full[n], before[n]))
     return float(loss.value), float(loss.tokens), frozen
+
+
+def doc_block(env, code: str, where: str) -> None:
+    """Execute a ``<!-- ranks: N -->`` block of ``docs/`` on this rank, in a fresh namespace, as
+    the script it is (``tests/test_docs.py``)."""
+    exec(compile(code, where, "exec"), {"__name__": "__main__"})

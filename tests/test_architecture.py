@@ -15,7 +15,9 @@ Layers (a module may import only its own layer or lower ones):
 Operator folders (``fcp/ops/<operator>/``): ``__init__.py`` is the only dispatcher (it checks
 arguments, chooses a backend from ``BACKENDS`` and calls it; it moves no data, so it never imports
 ``fcp.comm``); ``reference.py`` is only the oracle (nothing but other references and tests imports
-it); every other module is a backend, or a piece the backends share, reached from ``__init__``.
+it); every other module is a backend (what the dispatcher imports), or a piece the backends share,
+reached from ``__init__``; no backend imports another backend. Integrations run no collective of
+their own: nothing in ``fcp.integrations`` imports ``fcp.comm``.
 """
 
 from __future__ import annotations
@@ -190,3 +192,28 @@ def test_every_backend_module_is_reached_from_its_dispatcher():
                     todo.append(target)
         stray = [m for m in folder if m not in reached and not m.endswith(".reference")]
         assert not stray, f"fcp.ops.{op}: modules no backend path uses: {stray}"
+
+
+def backend_modules(op: str) -> set[str]:
+    """The folder's backends: the modules its dispatcher reaches directly (the reference aside);
+    modules only backends reach are pieces they share."""
+    return {t for t, _, _ in imports(f"fcp.ops.{op}")
+            if t.startswith(f"fcp.ops.{op}.") and not t.endswith(".reference")}  # fmt: skip
+
+
+def test_no_backend_imports_another_backend():
+    bad = []
+    for op in OPERATORS:
+        backends = backend_modules(op)
+        for mod in backends:
+            bad += [f"{mod}:{line} imports the backend {target}"
+                    for target, _, line in imports(mod) if target in backends - {mod}]  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+def test_integrations_move_no_data():
+    """Model adapters call operators; every exchange between ranks is an operator's (with its
+    reference and property tests), so nothing in ``fcp.integrations`` imports ``fcp.comm``."""
+    bad = [f"{mod}:{line} imports {target}" for mod in MODULES if mod.startswith("fcp.integrations")
+           for target, _, line in imports(mod) if target == "fcp.comm"]  # fmt: skip
+    assert not bad, "\n".join(bad)
