@@ -18,6 +18,10 @@ arguments, chooses a backend from ``BACKENDS`` and calls it; it moves no data, s
 it); every other module is a backend (what the dispatcher imports), or a piece the backends share,
 reached from ``__init__``; no backend imports another backend. Integrations run no collective of
 their own: nothing in ``fcp.integrations`` imports ``fcp.comm``.
+
+The model side's shape (the family registry, the supported list and the README's table agree;
+every ``fcp_*`` override has its kind's protocol signature) is checked in
+``tests/test_hf_registry.py``.
 """
 
 from __future__ import annotations
