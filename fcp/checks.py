@@ -131,11 +131,15 @@ def check_choice(value: Any, name: str, choices: Iterable[Any], *, fn: str = "")
     return value
 
 
-def check_instance(value: Any, cls: type | tuple[type, ...], name: str, *, fn: str = "") -> Any:
-    """``value`` if it is an instance of ``cls``, else :class:`ArgumentTypeError`."""
+def check_instance(value: Any, cls: type | tuple[type, ...], name: str, *, fn: str = "",
+                   hint: str = "") -> Any:  # fmt: skip
+    """``value`` if it is an instance of ``cls``, else :class:`ArgumentTypeError` (``hint``,
+    what to do instead, ends its message)."""
     if not isinstance(value, cls):
         names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
-        raise ArgumentTypeError(f"{_prefix(fn)}{name} must be a {names}, got {describe(value)}")
+        raise ArgumentTypeError(
+            f"{_prefix(fn)}{name} must be a {names}, got {describe(value)}{hint}"
+        )
     return value
 
 

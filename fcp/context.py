@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from fcp.checks import ArgumentTypeError, check_int, check_tensor, describe
+from fcp.checks import check_instance, check_int, check_tensor
 from fcp.groups import GroupInfo
 from fcp.layout import (
     PAD_DOC_ID,
@@ -316,9 +316,4 @@ def check_context(value: Any, *, fn: str = "", name: str = "ctx", hint: str = ""
     it is built (``fcp.shard_batch`` builds it eagerly, once per batch; see the class
     docstring), and it is frozen.
     """
-    if not isinstance(value, PackedContext):
-        prefix = f"{fn}: " if fn else ""
-        raise ArgumentTypeError(
-            f"{prefix}{name} must be a PackedContext, got {describe(value)}{hint}"
-        )
-    return value
+    return check_instance(value, PackedContext, name, fn=fn, hint=hint)

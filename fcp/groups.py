@@ -41,10 +41,6 @@ GroupLike = Union[None, dist.ProcessGroup, getattr(dist, "DeviceMesh", Any), Gro
 _GROUP_TYPES = "None, a torch.distributed.ProcessGroup, a 1-D DeviceMesh or a GroupInfo"
 
 
-def _prefix(fn: str) -> str:
-    return f"{fn}: " if fn else ""
-
-
 def resolve_group(group: GroupLike, *, name: str = "group", fn: str = "resolve_group") -> GroupInfo:
     """Resolve a :data:`GroupLike` to a ``GroupInfo``.
 
@@ -61,7 +57,7 @@ def resolve_group(group: GroupLike, *, name: str = "group", fn: str = "resolve_g
     if mesh_cls is not None and isinstance(group, mesh_cls):
         if group.ndim != 1:
             raise ValueError(
-                f"{_prefix(fn)}{name} must be a one-dimensional DeviceMesh, got a "
+                f"{fn}: {name} must be a one-dimensional DeviceMesh, got a "
                 f"{group.ndim}-D DeviceMesh with shape {tuple(group.shape)}"
             )
         pg = group.get_group()
@@ -70,7 +66,7 @@ def resolve_group(group: GroupLike, *, name: str = "group", fn: str = "resolve_g
         pg = group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
     else:
-        raise ArgumentTypeError(f"{_prefix(fn)}{name} must be {_GROUP_TYPES}, got {describe(group)}")
+        raise ArgumentTypeError(f"{fn}: {name} must be {_GROUP_TYPES}, got {describe(group)}")
     if size == 1:
         return GroupInfo(None, 1, 0)
     return GroupInfo(pg, size, rank)
@@ -89,7 +85,7 @@ def mesh_size(mesh: Any, *, name: str = "mesh", fn: str = "mesh_size") -> int:
     if isinstance(mesh, dist.ProcessGroup):
         return dist.get_world_size(mesh)
     raise ArgumentTypeError(
-        f"{_prefix(fn)}{name} must be None, a ProcessGroup, a DeviceMesh or a GroupInfo, "
+        f"{fn}: {name} must be None, a ProcessGroup, a DeviceMesh or a GroupInfo, "
         f"got {describe(mesh)}"
     )
 

@@ -223,12 +223,11 @@ def test_ple_equals_transformers_on_each_document(rank_pool, ple_reference, case
 
 
 def test_ngram_history_restarts_at_documents_and_after_eos():
-    """The worked example of :func:`~fcp.integrations.hf.mixers.ple.ngram_history`."""
-    from fcp.integrations.hf.mixers.ple import ngram_history
-
+    """PLE's n-gram history is ``token_history`` with the end-of-sequence id (2) as its fill and
+    its reset: documents ``[5, 6, 2, 7]`` and ``[8]``."""
     ids = torch.tensor([[5, 6, 2, 7, 8]])
     ctx = fcp.PackedContext(torch.tensor([[1, 1, 1, 1, 2]]))
-    got = ngram_history(ids, ctx, 3, eos=2)
+    got = fcp.token_history(ids, ctx, 3, fill=2, reset=2)
     assert got[0].tolist() == [[5, 2, 2], [6, 5, 2], [2, 6, 5], [7, 2, 2], [8, 2, 2]]
 
 

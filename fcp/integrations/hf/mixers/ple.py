@@ -13,7 +13,7 @@ the token ids, gated per stream, plus a dilated causal conv of them::
 Only two steps look at other tokens, and both stay inside the document:
 
 * the n-gram ids read, for each token, the previous ``ngram_size - 1`` token ids of the **same
-  document** (:func:`ngram_history`, the operator :func:`fcp.ops.token_history.token_history`).
+  document** (the operator :func:`fcp.ops.token_history.token_history`).
   transformers fills the history with the end-of-sequence id before a sequence starts and after
   every end-of-sequence token; fcp does the same at every document start and after every
   end-of-sequence token inside a document. Under CP the operator brings the previous
@@ -41,23 +41,7 @@ from fcp.integrations.hf.core import FcpMixer
 from fcp.ops.conv import short_conv
 from fcp.ops.token_history import token_history
 
-__all__ = ["PleMixer", "hashed_ngram_ids", "ngram_history"]
-
-
-def ngram_history(input_ids: torch.Tensor, ctx: PackedContext, size: int,
-                  eos: int) -> torch.Tensor:  # fmt: skip
-    """int64 ``[B, L, size]``: column ``s`` holds the token ``s`` positions before each local
-    token, or ``eos`` where that token is not in the token's document or an end-of-sequence token
-    lies between them (column 0 is the token itself): :func:`fcp.ops.token_history.token_history`
-    with the end-of-sequence id as both its ``fill`` and its ``reset``.
-
-    ``input_ids`` ``[B, L]``: this rank's token ids. Example (``size=3``, ``eos=2``; documents
-    ``[5, 6, 2, 7]`` and ``[8]``)::
-
-        tokens  5        6        2        7        8
-        row     5 2 2    6 5 2    2 6 5    7 2 2    8 2 2
-    """
-    return token_history(input_ids, ctx, size, fill=eos, reset=eos)
+__all__ = ["PleMixer", "hashed_ngram_ids"]
 
 
 def hashed_ngram_ids(history: torch.Tensor, multipliers: torch.Tensor, vocab_sizes: torch.Tensor,
@@ -84,7 +68,10 @@ class PleMixer(FcpMixer):
     def fcp_ngram_ids(self, input_ids: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         """int64 ``[B, L, ngram_heads]``: rows of ``ple_embedding.ngram_embedding``."""
         emb = self.ple_embedding
-        history = ngram_history(input_ids, ctx, emb.ngram_size, emb.eos_token_id)
+        # transformers restarts the history at a sequence start and after every end-of-sequence
+        # token, filling it with that id
+        eos = emb.eos_token_id
+        history = token_history(input_ids, ctx, emb.ngram_size, fill=eos, reset=eos)
         return hashed_ngram_ids(history, emb.layer_multipliers, emb.ngram_heads_vocab_sizes,
                                 emb.ngram_heads_offsets, emb.heads_per_ngram)  # fmt: skip
 
