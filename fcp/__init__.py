@@ -43,6 +43,7 @@ from fcp.ops.kda import kda
 from fcp.ops.kpool_indexer import kpool_indexer
 from fcp.ops.latent_attention import latent_attention
 from fcp.ops.qsa_indexer import qsa_indexer
+from fcp.ops.sliding_window import sliding_window_attention
 from fcp.ops.token_history import token_history
 from fcp import loss
 
@@ -75,6 +76,7 @@ __all__ = [
     "segment_cu_seqlens",
     "shard_batch",
     "short_conv",
+    "sliding_window_attention",
     "state_chain",
     "token_history",
     "validate_doc_ids",

@@ -7,7 +7,8 @@
   ``tests/test_attention.py`` (fp32, 1e-5).
 
 Packings: random document cuts (tiny documents, documents spanning every rank), pad tails of
-0-5 tokens (a rank may hold only padding), GQA head ratios, ratio/window settings.
+0-5 tokens (a rank may hold only padding), GQA head ratios, ratio/window settings (sliding
+windows from 1 token to longer than two shards, soft-capping), per-query attention sinks.
 Shapes are tiny so the file runs in well under 90 s.
 """
 
@@ -31,7 +32,20 @@ def op_kwargs(draw, name: str) -> dict:
     if name == "compressed":
         ratio = draw(st.sampled_from([1, 2, 4]))
         return {"ratio": ratio, "window": draw(st.integers(1, 9))}
+    if name == "sliding":  # windows from one token to longer than two shards
+        return {"window": draw(st.integers(1, 40)),
+                "softcap": draw(st.sampled_from([None, None, 0.5, 4.0]))}  # fmt: skip
     return {}
+
+
+def with_sinks(draw, name: str, inputs: dict, seed: int) -> dict:
+    """Per-query attention sinks (``[batch, seq, heads]``) for the operators that take them,
+    half of the time."""
+    if name not in ("doc_causal", "sliding") or not draw(st.booleans()):
+        return inputs
+    q = inputs["q"]
+    gen = torch.Generator().manual_seed(seed + 1)
+    return {**inputs, "sinks": torch.randn(q.shape[:3], generator=gen).to(q.dtype)}
 
 
 @st.composite
@@ -45,6 +59,7 @@ def cp_cases(draw, dtype=torch.float32):
     doc_ids = draw(cut_rows(batch, world * local, max_cuts=6))
     seed = draw(st.integers(0, 2**16))
     inputs = attention_inputs(seed, batch, world * local, heads, kv_heads, dim, dtype=dtype)
+    inputs = with_sinks(draw, name, inputs, seed)
     gen = torch.Generator().manual_seed(seed)
     grad_out = torch.randn(batch, world * local, heads, dim, generator=gen)
     return name, world, inputs, doc_ids, op_kwargs(draw, name), grad_out
@@ -76,11 +91,12 @@ def test_single_process_equals_reference(data):
     heads, kv_heads = data.draw(st.sampled_from(HEADS))
     doc_ids = data.draw(cut_rows(batch, seq, max_cuts=6))
     kwargs = op_kwargs(data.draw, name)
-    inputs = attention_inputs(data.draw(st.integers(0, 2**16)), batch, seq, heads, kv_heads)
+    seed = data.draw(st.integers(0, 2**16))
+    inputs = with_sinks(data.draw, name, attention_inputs(seed, batch, seq, heads, kv_heads), seed)
     out_ref, t = run_ref(name, inputs, doc_ids, kwargs)
     grad_out = torch.randn(out_ref.shape, dtype=torch.float64)
     (out_ref * grad_out).sum().backward()
     got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out.float())
     torch.testing.assert_close(got["out"].double(), out_ref, **FP32)
-    for n in QKV:
+    for n in QKV + (("sinks",) if "sinks" in inputs else ()):
         torch.testing.assert_close(got[n].double(), ref_grad(t[n]), **FP32, msg=n)

@@ -4,7 +4,10 @@ Every job receives the *global* tensors, slices its own contiguous interval, run
 under CP and returns plain tensors (:mod:`tests.support.cp_jobs`); the tests compare them with
 the single-process operator and with the float64 references. Operators (``name``):
 
-* ``"doc_causal"``, ``"compressed"``: document-causal and compressed softmax attention;
+* ``"doc_causal"``, ``"compressed"``, ``"sliding"``: document-causal, compressed and
+  sliding-window softmax attention (``"sliding"``'s window: ``kw["window"]``, default
+  :data:`WINDOW`); with an input ``"sinks"`` (``[batch, seq, heads]``, per token, differentiated
+  like q/k/v) ``"doc_causal"`` and ``"sliding"`` pass it as their attention sinks;
 * ``"attn"``: ``index_attention(q, k, v, indices, ctx, kv="local")`` (GQA);
 * ``"attn_global"``: the MLA route: the job all-gathers k/v itself and calls ``kv="global"``;
 * ``"kpool"``: ``kpool_indexer`` (returns the indices); ``"qsa"``: ``qsa_indexer``;
@@ -31,10 +34,14 @@ from fcp.ops.kpool_indexer import kpool_indexer
 from fcp.ops.kpool_indexer.reference import kpool_indexer_reference
 from fcp.ops.qsa_indexer import qsa_indexer
 from fcp.ops.qsa_indexer.reference import qsa_indexer_reference
+from fcp.ops.sliding_window import sliding_window_attention
 from tests.support import cp_jobs
 from tests.support.inputs import QKV
 
-SOFTMAX_OPS = ("doc_causal", "compressed")
+SOFTMAX_OPS = ("doc_causal", "compressed", "sliding")
+#: ``"sliding"``'s default window: longer than a 4-rank shard of the CP tests (4 tokens), shorter
+#: than their documents
+WINDOW = 6
 INDEX_OPS = ("attn", "attn_global", "glm", "qsa_attn")
 INDEXER_OPS = ("kpool", "qsa")
 #: index_inputs' tensors that are not per token (never sliced by rank)
@@ -62,7 +69,10 @@ def _rope(ctx: PackedContext, dtype):
 def call_op(name: str, t: dict, ctx: PackedContext, kw: dict) -> torch.Tensor:
     """Run operator ``name`` on this rank's tensors ``t``; ``kw`` holds its options."""
     if name == "doc_causal":
-        return doc_causal_attention(t["q"], t["k"], t["v"], ctx, **kw)
+        return doc_causal_attention(t["q"], t["k"], t["v"], ctx, sinks=t.get("sinks"), **kw)
+    if name == "sliding":
+        kw = {"window": WINDOW, **kw}
+        return sliding_window_attention(t["q"], t["k"], t["v"], ctx, sinks=t.get("sinks"), **kw)
     if name == "compressed":
         return compressed_attention(t["q"], t["k"], t["v"], ctx, **kw)
     attn_kw = {n: kw[n] for n in ("scale", "query_chunk") if n in kw}
@@ -100,28 +110,31 @@ def _call(name: str, kw: dict):
     return call
 
 
-def _names(name: str) -> dict:
-    """What :mod:`cp_jobs` differentiates (q/k/v; nothing for an indexer) and leaves whole."""
-    return dict(grads=() if name in INDEXER_OPS else QKV, params=PARAMS)
+def _names(name: str, inputs: dict) -> dict:
+    """What :mod:`cp_jobs` differentiates (q/k/v and sinks; nothing for an indexer) and leaves
+    whole."""
+    if name in INDEXER_OPS:
+        return dict(grads=(), params=PARAMS)
+    return dict(grads=QKV + (("sinks",) if "sinks" in inputs else ()), params=PARAMS)
 
 
 def single_process(name, inputs, doc_ids, kw, grad_out):
     """``{"out": ..., "q"/"k"/"v": grads}`` (attention) or ``{"out": indices}`` (indexers)."""
     ctx = PackedContext(doc_ids)
-    return cp_jobs.forward_backward(_call(name, kw), inputs, ctx, grad_out, **_names(name))
+    return cp_jobs.forward_backward(_call(name, kw), inputs, ctx, grad_out, **_names(name, inputs))
 
 
 def run_in(name, inputs, ctx, kw, grad_out):
     """``name`` on this rank's slice of ``inputs`` under ``ctx``: out (and q/k/v gradients)."""
     return cp_jobs.forward_backward(_call(name, kw), inputs, ctx, grad_out, cp_jobs.shard(ctx),
-                                    **_names(name))  # fmt: skip
+                                    **_names(name, inputs))  # fmt: skip
 
 
 def cp_rank(env, name, inputs, doc_ids, kw, grad_out):
     """One rank of a CP run: this rank's output (and q/k/v gradients)."""
     ctx = cp_jobs.cp_context(env, doc_ids)
     return cp_jobs.forward_backward(_call(name, kw), inputs, ctx, grad_out, cp_jobs.shard(ctx),
-                                    **_names(name))  # fmt: skip
+                                    **_names(name, inputs))  # fmt: skip
 
 
 def cp_rank_pair(env, name, inputs_a, inputs_b, doc_ids, kw, grad_a, grad_b):
@@ -155,7 +168,7 @@ def compile_packings(name, inputs, doc_ids_list, kw, grad_out, ctx_fn):
     """:func:`cp_jobs.compile_packings` of operator ``name``: ``(frames, host syncs found,
     max |compiled - eager|, graphs recorded)``."""
     return cp_jobs.compile_packings(_call(name, kw), inputs, doc_ids_list, grad_out, ctx_fn,
-                                    **_names(name))  # fmt: skip
+                                    **_names(name, inputs))  # fmt: skip
 
 
 def cp_compile_rank(env, name, inputs, doc_ids_list, kw, grad_out):

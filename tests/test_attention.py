@@ -16,6 +16,7 @@ import torch
 from fcp.context import PackedContext
 from fcp.ops.compressed.reference import compressed_attention_reference as ref_compressed
 from fcp.ops.doc_causal.reference import doc_causal_attention_reference as ref_doc_causal
+from fcp.ops.sliding_window.reference import sliding_window_attention_reference as ref_sliding
 from tests import _attention_rank_fns as fns
 from tests._attention_rank_fns import SOFTMAX_OPS as OPS
 from tests.support.inputs import QKV, attention_inputs
@@ -26,9 +27,13 @@ FP32 = dict(atol=1e-5, rtol=1e-5)
 
 # ============================================================================ helpers
 def run_ref(name, inputs, doc_ids, kwargs):
-    t = {n: x.clone().double().requires_grad_(n in QKV) for n, x in inputs.items()}
+    t = {n: x.clone().double().requires_grad_() for n, x in inputs.items()}
+    kwargs = {n: x for n, x in kwargs.items() if n != "backend"}
     if name == "doc_causal":
-        out = ref_doc_causal(t["q"], t["k"], t["v"], doc_ids, **kwargs)
+        out = ref_doc_causal(t["q"], t["k"], t["v"], doc_ids, sinks=t.get("sinks"), **kwargs)
+    elif name == "sliding":
+        kwargs = {"window": fns.WINDOW, **kwargs}
+        out = ref_sliding(t["q"], t["k"], t["v"], doc_ids, sinks=t.get("sinks"), **kwargs)
     else:
         out = ref_compressed(t["q"], t["k"], t["v"], doc_ids, **kwargs)
     return out, t
@@ -41,7 +46,7 @@ def check_against_reference(name, inputs, doc_ids, kwargs, tol=FP32):
     got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out.float())
     assert got["out"].dtype == inputs["q"].dtype
     torch.testing.assert_close(got["out"].double(), out_ref, **tol)
-    for n in QKV:
+    for n in QKV + tuple(n for n in ("sinks",) if n in inputs):
         torch.testing.assert_close(got[n].double(), ref_grad(t[n]), **tol, msg=f"grad {n}")
     return got
 
@@ -59,6 +64,11 @@ CASES = [
     ("compressed", {"ratio": 2, "window": 5}),
     ("compressed", {"ratio": 3, "window": 1}),
     ("compressed", {"ratio": 1, "window": 2}),
+    ("sliding", {}),
+    ("sliding", {"window": 1}),
+    ("sliding", {"window": 3, "softcap": 0.5}),
+    ("sliding", {"window": 100}),  # longer than every document: doc-causal attention
+    ("doc_causal", {"softcap": 2.0}),
 ]
 
 
@@ -78,6 +88,7 @@ def test_length_not_a_multiple_of_the_block(name, seq):
     kwargs = {
         "doc_causal": {},
         "compressed": {"ratio": 4, "window": 3},
+        "sliding": {"window": 4},
     }
     inputs = attention_inputs(1, 1, seq, heads=2, kv_heads=2, dim=8)
     check_against_reference(name, inputs, doc_ids, kwargs[name])
@@ -137,6 +148,7 @@ def _perturb(inputs, positions):
 ISOLATION_KWARGS = {
     "doc_causal": {},
     "compressed": {"ratio": 2, "window": 3},
+    "sliding": {"window": 4},
 }
 
 
@@ -204,6 +216,7 @@ def test_bad_arguments(bad):
 CP_KWARGS = {
     "doc_causal": {},
     "compressed": {"ratio": 4, "window": 6},
+    "sliding": {"window": 11},  # longer than a 4-rank shard (8): a halo from two ranks
 }
 
 
@@ -305,7 +318,8 @@ def test_flex_cuda_matches_dense(name, dtype):
     doc_ids = packing(seq, [1, 60, 3, 100, 17, 50]).cuda()
     inputs = {n: x.cuda() for n, x in attention_inputs(0, 1, seq, 4, 2, 16, dtype).items()}
     grad_out = torch.randn(1, seq, 4, 16, device="cuda")
-    kwargs = {"doc_causal": {}, "compressed": {"ratio": 4, "window": 8}}[name]
+    kwargs = {"doc_causal": {}, "compressed": {"ratio": 4, "window": 8},
+              "sliding": {"window": 40, "softcap": 3.0}}[name]  # fmt: skip
     want = fns.single_process(name, inputs, doc_ids, {**kwargs, "backend": "dense"}, grad_out)
     got = fns.single_process(name, inputs, doc_ids, kwargs, grad_out)  # auto: flex on CUDA
     tol = FP32 if dtype == torch.float32 else BF16
@@ -326,3 +340,75 @@ def test_flex_cuda_compiled_no_recompile(name):
     for doc_ids in random_packings(20, 2, 128, seed=5):
         fn(name, inputs, PackedContext(doc_ids.cuda()), CP_KWARGS[name])
     assert counter.frame_count == 1
+
+
+# ============================================================================ sliding window: sinks
+def _with_sinks(inputs, doc_ids, seed=11):
+    gen = torch.Generator().manual_seed(seed)
+    heads = inputs["q"].shape[2]
+    return {**inputs, "sinks": torch.randn(*doc_ids.shape, heads, generator=gen)}
+
+
+@pytest.mark.parametrize("name,kwargs", [("sliding", {}), ("sliding", {"window": 2}),
+                                         ("sliding", {"softcap": 1.0}), ("doc_causal", {})])
+def test_sinks_match_reference(name, kwargs):
+    """Per-query sinks (Inkling-style ``[B, L, H]``): outputs and the gradients of q/k/v and of
+    the sinks equal the float64 definition."""
+    doc_ids = packing(*PACKINGS["straddling_blocks"])
+    inputs = _with_sinks(attention_inputs(2, *doc_ids.shape, heads=4, kv_heads=2), doc_ids)
+    check_against_reference(name, inputs, doc_ids, kwargs)
+
+
+def test_head_sinks_gradient_sums_over_queries():
+    """A ``[heads]`` sink parameter (gpt-oss) is the per-query sink broadcast: same output, and
+    its gradient is the per-query gradients summed over batch and sequence."""
+    from fcp.ops.sliding_window import sliding_window_attention
+
+    doc_ids = packing(20, [7, 9], [20])
+    inputs = attention_inputs(4, 2, 20, heads=4, kv_heads=2)
+    ctx = PackedContext(doc_ids)
+    head = torch.randn(4, requires_grad=True)
+    per_query = head.detach().expand(2, 20, 4).clone().requires_grad_()
+    grad_out = torch.randn(2, 20, 4, 4)
+    outs = [sliding_window_attention(inputs["q"], inputs["k"], inputs["v"], ctx, 5, sinks=s)
+            for s in (head, per_query)]
+    assert torch.equal(outs[0], outs[1])
+    for out in outs:
+        (out * grad_out).sum().backward()
+    torch.testing.assert_close(head.grad, per_query.grad.sum((0, 1)), **FP32)
+    assert head.grad.abs().min() > 0  # every head's sink matters
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sinks_cp_matches_single_process(rank_pool, world_size):
+    """Under CP, per-query sinks' gradients stay on their query's rank."""
+    seq = 8 * world_size
+    doc_ids = packing(seq, [3, seq - 9, 2], [seq])
+    inputs = _with_sinks(attention_inputs(7, 2, seq, heads=4, kv_heads=2), doc_ids)
+    grad_out = torch.randn(2, seq, 4, 4)
+    fns.check_cp(rank_pool, "sliding", world_size, inputs, doc_ids,
+                 {"window": 11, "softcap": 2.0}, grad_out, FP32)  # fmt: skip
+
+
+def test_halo_is_the_window_or_the_band():
+    """``min(window, band) - 1`` tokens under CP (a key further back is outside the window or
+    in an earlier document), none without CP."""
+    from fcp.ops.sliding_window import halo_tokens
+
+    doc_ids = packing(8192, [1000, 300, 2000])  # longest document 2000: band 2048
+    cp = dict(group=_FakeGroup(), cp_size=2, cp_rank=1)
+    assert halo_tokens(PackedContext(doc_ids, **cp), 6) == 5
+    assert halo_tokens(PackedContext(doc_ids, **cp), 4096) == 2047
+    assert halo_tokens(PackedContext(doc_ids, band=8192, **cp), 4096) == 4095
+    assert halo_tokens(PackedContext(doc_ids), 4096) == 0
+
+
+@pytest.mark.parametrize("window,halo", [(6, 5), (4096, 32)])
+def test_each_rank_receives_only_the_halo(rank_pool, window, halo):
+    """Measured bytes: rank 1 receives the halo's k and v (fp32, one kv head of dim 4 each)
+    and nothing else (a window longer than the row: rank 0's 32 tokens); rank 0 receives
+    nothing."""
+    doc_ids = packing(64, [20, 12, 30])
+    inputs = attention_inputs(0, 1, 64, heads=2, kv_heads=1, dim=4)
+    got = rank_pool.run(fns.cp_bytes_rank, 2, "sliding", inputs, doc_ids, {"window": window})
+    assert got == [0, halo * (4 + 4) * 4], got

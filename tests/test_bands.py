@@ -162,13 +162,16 @@ def test_custom_ops_pass_opcheck():
     key_lo = torch.arange(nkb * softmax.BLOCK).view(nkb, softmax.BLOCK)
     wkv = torch.randn(b, n, hkv, 3, e, generator=g, requires_grad=True)
     wm = torch.rand(b, n, 3, generator=g) > 0.3
-    for win in ((None, None), (wkv, wm)):
-        args = (q, kvh, key_doc, key_lo, doc_q, *win, 0, 40, 1, 0.5, dk, 1)
+    key_hi = key_lo + 5  # a sliding window of 6
+    sinks = torch.randn(b, n, 2, generator=g, requires_grad=True)
+    for win, extra, softcap in (((None, None), (None, None), 0.0), ((wkv, wm), (None, None), 0.0),
+                                ((None, None), (key_hi, sinks), 2.0)):  # fmt: skip
+        args = (q, kvh, key_doc, key_lo, doc_q, *win, *extra, 0, 40, 1, 0.5, softcap, dk, 1)
         torch.library.opcheck(softmax.banded_attention_fwd, args)
         out, lse = (t.detach() for t in softmax.banded_attention_fwd(*args))
         plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         torch.library.opcheck(softmax.banded_attention_bwd,  # no double backward: no grads
-                              (torch.randn_like(out), *plain[:7], out, lse, *plain[7:]))
+                              (torch.randn_like(out), *plain[:9], out, lse, *plain[9:]))
     plan = pools.plan_pools(PackedContext(doc_ids), 4)
     keys = torch.randn(1, plan.slots.shape[1], dk, generator=g)
     torch.library.opcheck(pools.pool_top, (torch.randn(1, 70, 2, dk, generator=g), keys,

@@ -10,6 +10,8 @@ guarantees). No operator folder imports another.
   Mamba2's SSD);
 * :mod:`.doc_causal` - :func:`~fcp.ops.doc_causal.doc_causal_attention` (softmax attention
   causal within each document);
+* :mod:`.sliding_window` - :func:`~fcp.ops.sliding_window.sliding_window_attention` (the same
+  within the last ``window`` tokens, its K/V halo crossing ranks; attention sinks, soft-capping);
 * :mod:`.compressed` - :func:`~fcp.ops.compressed.compressed_attention` (attention over K/V block
   means);
 * :mod:`.kpool_indexer` (GLM-5.3-Flash's DSA k-pool indexer) and :mod:`.qsa_indexer`

@@ -21,7 +21,12 @@ from fcp.checks import check_positive_int
 from fcp.context import PackedContext, check_context
 from fcp.ops.doc_causal.dense import doc_causal_dense
 from fcp.ops.doc_causal.flex import doc_causal_flex
-from fcp.ops.kit.attention import SOFTMAX_BACKENDS, attention_backend, check_qkv
+from fcp.ops.kit.attention import (
+    SOFTMAX_BACKENDS,
+    attention_backend,
+    check_qkv,
+    check_sinks_softcap,
+)
 from fcp.ops.kit.common import autocast_off, default_scale, finite_or_zero, zero_nonfinite_grad
 
 __all__ = ["BACKENDS", "doc_causal_attention"]
@@ -32,7 +37,8 @@ _RUN = {"dense": doc_causal_dense, "flex": doc_causal_flex}
 
 
 def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PackedContext,
-                         scale: float | None = None, *, query_chunk: int | None = None,
+                         scale: float | None = None, *, sinks: torch.Tensor | None = None,
+                         softcap: float | None = None, query_chunk: int | None = None,
                          backend: str = "auto") -> torch.Tensor:
     """Causal attention within documents.
 
@@ -43,6 +49,11 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx:
         v: ``[batch, local_seq, kv_heads, Dv]``.
         ctx: the rank's :class:`~fcp.context.PackedContext`.
         scale: softmax scale, default ``D ** -0.5``.
+        sinks: attention sinks (gpt-oss): ``[heads]`` or ``[batch, local_seq, heads]`` logits,
+            one more term ``exp(sink)`` in each softmax's denominator with a zero value, so a
+            query may attend "nowhere"; gradients flow to them. ``None``: none.
+        softcap: soft-capping (Gemma 2/3): scores (after ``scale``) become ``softcap *
+            tanh(score / softcap)``. ``None``: none.
         query_chunk: ``"dense"``: queries processed at a time (rounded down to blocks of 64;
             default: about 4M elements of scores and keys per chunk). Results do not depend on
             it, bitwise. ``"flex"`` tiles by itself and ignores it.
@@ -69,11 +80,12 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx:
     name = "doc_causal_attention"
     check_context(ctx, fn=name)
     check_qkv(name, q, k, v, ctx)
+    sinks, softcap = check_sinks_softcap(name, sinks, softcap, q)
     backend = attention_backend(name, backend, q)
     scale = default_scale(q.shape[-1], scale)
     if query_chunk is not None:
         query_chunk = check_positive_int(query_chunk, "query_chunk", fn=name)
     q, k, v = finite_or_zero(q), finite_or_zero(k), finite_or_zero(v)
     with autocast_off(q.device):
-        out = _RUN[backend](q, k, v, ctx, scale, query_chunk)
+        out = _RUN[backend](q, k, v, ctx, scale, query_chunk, sinks=sinks, softcap=softcap)
     return zero_nonfinite_grad(out)

@@ -20,14 +20,15 @@ from fcp.ops.kit.softmax import banded_attention
 __all__ = ["doc_causal_dense"]
 
 
-def doc_causal_dense(q, k, v, ctx: PackedContext, scale: float,
-                     query_chunk: int | None = None) -> torch.Tensor:
-    """``[batch, local_seq, heads, Dv]`` (arguments checked by the dispatcher)."""
+def doc_causal_dense(q, k, v, ctx: PackedContext, scale: float, query_chunk: int | None = None,
+                     *, sinks=None, softcap=None) -> torch.Tensor:
+    """``[batch, local_seq, heads, Dv]`` (arguments checked by the dispatcher; ``sinks``
+    ``[batch, local_seq, heads]``)."""
     dk, end = k.shape[-1], ctx.seq_end
     kv = all_gather_sequence(torch.cat([k, v], -1), ctx, dtype=torch.float32)
     keys = kv[:, :end]  # keys after this rank's queries are never visible
     out = banded_attention(q, keys, dk, ctx.doc_ids[:, :end],
                            torch.arange(end, device=q.device), ctx.local_doc_ids,
-                           ctx.seq_start, ctx.key_band, scale,
+                           ctx.seq_start, ctx.key_band, scale, sinks=sinks, softcap=softcap,
                            chunk=query_chunk)  # fmt: skip
     return with_anchors(out, ctx, kv)

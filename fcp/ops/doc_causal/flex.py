@@ -17,8 +17,8 @@ from fcp.ops.kit.attention import with_anchors
 __all__ = ["doc_causal_flex"]
 
 
-def doc_causal_flex(q, k, v, ctx: PackedContext, scale: float,
-                    query_chunk: int | None = None) -> torch.Tensor:
+def doc_causal_flex(q, k, v, ctx: PackedContext, scale: float, query_chunk: int | None = None,
+                    *, sinks=None, softcap=None) -> torch.Tensor:
     """``[batch, local_seq, heads, Dv]`` (arguments checked by the dispatcher; FlexAttention
     tiles by itself, ``query_chunk`` is unused)."""
     dk, start, end = k.shape[-1], ctx.seq_start, ctx.seq_end
@@ -28,5 +28,6 @@ def doc_causal_flex(q, k, v, ctx: PackedContext, scale: float,
     lo = k_pos - start  # the local query index from which key s is visible
     hi = torch.full_like(k_pos, flex.UNBOUNDED)
     out = flex.flex_attend(q, keys[..., :dk], keys[..., dk:], ctx.local_doc_ids,
-                           ctx.doc_ids[:, :end], lo, hi, scale)  # fmt: skip
+                           ctx.doc_ids[:, :end], lo, hi, scale, sinks=sinks,
+                           softcap=softcap)  # fmt: skip
     return with_anchors(out, ctx, kv)

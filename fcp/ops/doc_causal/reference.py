@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from fcp.ops.kit.loops import attend_keys, per_query, prepare
+from fcp.ops.kit.loops import windowed_rows
 
 __all__ = ["doc_causal_attention_reference"]
 
 
-def doc_causal_attention_reference(q, k, v, doc_ids, scale=None) -> torch.Tensor:
+def doc_causal_attention_reference(q, k, v, doc_ids, scale=None, *, sinks=None,
+                                   softcap=None) -> torch.Tensor:
     """float64 ``[batch, seq, heads, Dv]`` from global ``q [b, seq, H, D]``, ``k``/``v``
-    ``[b, seq, Hkv, D|Dv]`` and ``doc_ids [b, seq]``, one query at a time (tests only)."""
-    q, k, v, scale = prepare(q, k, v, scale)
-
-    def row(b, t, doc):
-        keys = [s for s in range(t + 1) if doc[t] != 0 and doc[s] == doc[t]]
-        return attend_keys(q[b, t], k[b], v[b], keys, scale)
-
-    return per_query(doc_ids, row)
+    ``[b, seq, Hkv, D|Dv]`` and ``doc_ids [b, seq]``, one query at a time (tests only);
+    ``sinks`` and ``softcap`` as :func:`~fcp.ops.kit.loops.windowed_rows`."""
+    return windowed_rows(q, k, v, doc_ids, scale, None, sinks, softcap)

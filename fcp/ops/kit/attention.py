@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fcp.checks import check_positive_int, check_tensor
+from fcp.checks import check_float, check_positive_int, check_tensor
 from fcp.comm import all_gather_backward_anchor
 from fcp.context import PackedContext
 from fcp.ops.kit import flex
@@ -20,6 +20,7 @@ __all__ = [
     "attention_backend",
     "check_qkv",
     "check_selection",
+    "check_sinks_softcap",
     "with_anchors",
     "query_positions",
 ]
@@ -64,6 +65,26 @@ def check_qkv(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx:
     hkv = k.shape[2]
     if hkv == 0 or h % hkv:
         raise ValueError(f"{name}: heads={h} must be a multiple of kv_heads={hkv} (GQA)")
+
+
+def check_sinks_softcap(name: str, sinks, softcap, q: torch.Tensor):
+    """``(sinks [B, L, H] | None, softcap float | None)`` checked against ``q [B, L, H, D]``.
+
+    ``sinks``: a floating tensor ``[H]`` (one learned logit per head, gpt-oss) or ``[B, L, H]``
+    (one per query, e.g. projected from the hidden states), expanded to ``[B, L, H]``;
+    ``softcap``: ``None`` or a float ``> 0``.
+    """
+    if sinks is not None:
+        b, n, h = q.shape[:3]
+        check_tensor(sinks, "sinks", fn=name, kind="float", dim=(1, 3),
+                     layout="[heads] or [batch, local_seq, heads]")  # fmt: skip
+        if tuple(sinks.shape) not in ((h,), (b, n, h)):
+            raise ValueError(f"{name}: sinks {tuple(sinks.shape)} must be [heads] = [{h}] or "
+                             f"[batch, local_seq, heads] = [{b}, {n}, {h}]")  # fmt: skip
+        sinks = sinks.expand(b, n, h)
+    if softcap is not None:
+        softcap = check_float(softcap, "softcap", fn=name, positive=True)
+    return sinks, softcap
 
 
 def query_positions(ctx: PackedContext, device) -> torch.Tensor:

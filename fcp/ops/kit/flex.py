@@ -61,13 +61,18 @@ def _kernel(q: torch.Tensor):
 
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_q: torch.Tensor,
                 key_doc: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, *, sinks: torch.Tensor | None = None,
+                softcap: float | None = None) -> torch.Tensor:
     """Masked attention with FlexAttention.
 
     Args:
         q: ``[batch, local, heads, D]``; ``k``, ``v``: ``[batch, keys, kv_heads, D]``.
         doc_q: ``[batch, local]`` query doc ids; ``key_doc``: ``[batch, keys]``.
         q_lo, q_hi: int64 ``[keys]``, the local query range that may see each key.
+        sinks: ``[batch, local, heads]`` or ``None``: a zero-value logit per query and head in
+            the softmax's denominator, applied from the kernel's log-sum-exp (``out *
+            sigmoid(lse - sink)``, differentiable through the lse).
+        softcap: scores (after ``scale``) become ``softcap * tanh(score / softcap)``.
 
     Returns ``[batch, local, heads, Dv]`` in ``q``'s dtype.
     """
@@ -79,12 +84,26 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_q: torch.
 
     batch, lq, heads = q.shape[:3]
     mask = create_block_mask(mask_mod, batch, None, lq, k.shape[1], device=q.device)
+    score_mod = None
+    if softcap:
+
+        def score_mod(score, b, h, qi, ki):
+            return torch.tanh(score / softcap) * softcap
+
     out = _kernel(q)(
         q.transpose(1, 2),
         k.to(q.dtype).transpose(1, 2),
         v.to(q.dtype).transpose(1, 2),
+        score_mod=score_mod,
         block_mask=mask,
         scale=scale,
         enable_gqa=heads != k.shape[2],
+        return_lse=sinks is not None,
     )
-    return out.transpose(1, 2).to(q.dtype)
+    if sinks is None:
+        return out.transpose(1, 2).to(q.dtype)
+    out, lse = out
+    # softmax over [scores, sink] = softmax(scores) * e^lse / (e^lse + e^sink); a row without
+    # visible keys has out = 0 whatever its lse
+    weight = torch.sigmoid(lse.float() - sinks.float().transpose(1, 2))
+    return (out.float() * weight[..., None]).transpose(1, 2).to(q.dtype)

@@ -16,8 +16,8 @@ from fcp.context import PackedContext
 from fcp.layout import PAD_DOC_ID
 from fcp.ops.kit.common import compute_dtype
 
-__all__ = ["linear_recurrence", "prepare", "softmax_row", "attend_keys", "empty_row", "per_query", "real_queries",
-           "reference_doc_ids"]  # fmt: skip
+__all__ = ["linear_recurrence", "prepare", "softmax_row", "attend_keys", "empty_row", "per_query",
+           "real_queries", "reference_doc_ids", "windowed_rows"]  # fmt: skip
 
 
 def reference_doc_ids(ctx: PackedContext | torch.Tensor, fn: str) -> torch.Tensor:
@@ -58,20 +58,45 @@ def prepare(q, k, v, scale):
     return q, k.repeat_interleave(groups, dim=-2), v.repeat_interleave(groups, dim=-2), scale
 
 
-def softmax_row(qt, keys, vals, scale, empty):
+def softmax_row(qt, keys, vals, scale, empty, sink=None, softcap=None):
     """Attention of one query ``[H, D]`` over lists of keys ``[H, D]`` / values ``[H, Dv]``;
-    ``empty`` (zeros ``[H, Dv]``) when there are no keys."""
+    ``empty`` (zeros ``[H, Dv]``) when there are no keys. ``sink [H]``: one more logit per head
+    whose value is zero; ``softcap``: scores ``c * tanh(s / c)``."""
     if not keys:
         return empty
     kk, vv = torch.stack(keys), torch.stack(vals)  # [n, H, D]
     s = torch.einsum("hd,nhd->hn", qt, kk) * scale
-    return torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vv)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if sink is not None:
+        p = torch.softmax(torch.cat([s, sink.to(s.dtype)[:, None]], -1), -1)[:, :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return torch.einsum("hn,nhd->hd", p, vv)
 
 
-def attend_keys(qt, k, v, positions, scale):
+def attend_keys(qt, k, v, positions, scale, sink=None, softcap=None):
     """Attention of one query over the tokens at ``positions`` of one row's ``k``/``v``."""
     keys, vals = [k[s] for s in positions], [v[s] for s in positions]
-    return softmax_row(qt, keys, vals, scale, empty_row(qt, v))
+    return softmax_row(qt, keys, vals, scale, empty_row(qt, v), sink, softcap)
+
+
+def windowed_rows(q, k, v, doc_ids, scale, window, sinks, softcap) -> torch.Tensor:
+    """float64 ``[b, seq, H, Dv]``: every query ``t`` attends to the keys ``s <= t`` of its own
+    real document with ``s > t - window`` (``window=None``: all of them); ``sinks``
+    (broadcastable to ``[b, seq, H]``): one zero-value logit per query and head in the
+    denominator; ``softcap``: scores ``c * tanh(s / c)``. Pad queries give zeros."""
+    q, k, v, scale = prepare(q, k, v, scale)
+    if sinks is not None:
+        sinks = sinks.double().expand(*q.shape[:3])
+
+    def row(b, t, doc):
+        first = 0 if window is None else max(0, t - window + 1)
+        keys = [s for s in range(first, t + 1) if doc[t] != 0 and doc[s] == doc[t]]
+        sink = None if sinks is None else sinks[b, t]
+        return attend_keys(q[b, t], k[b], v[b], keys, scale, sink, softcap)
+
+    return per_query(doc_ids, row)
 
 
 def empty_row(qt, v):

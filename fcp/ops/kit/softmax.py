@@ -133,12 +133,15 @@ def _where(mask: torch.Tensor, s: torch.Tensor, other) -> torch.Tensor:
     return out.view(s.shape)
 
 
-def _block(kvh, key_doc, key_lo, c: _Chunk, idx):
+def _block(kvh, key_doc, key_lo, key_hi, c: _Chunk, idx):
     """Key blocks ``idx`` (one per query block): keys and values ``[b, hkv, nq, BLOCK, D +
     Dv]`` and the visibility ``[b, nq, BLOCK (queries), BLOCK (keys)]``."""
     kd, kl = key_doc.index_select(1, idx), key_lo.index_select(0, idx)  # [b, nq, B], [nq, B]
     vis = (kd[:, :, None, :] == c.doc[..., None]) & (c.doc > PAD_DOC_ID)[..., None]
-    return kvh.index_select(2, idx), vis & (kl[:, None, :] <= c.t[..., None])[None]
+    seen = kl[:, None, :] <= c.t[..., None]
+    if key_hi is not None:  # a sliding window: the key leaves it after query key_hi
+        seen = seen & (key_hi.index_select(0, idx)[:, None, :] >= c.t[..., None])
+    return kvh.index_select(2, idx), vis & seen[None]
 
 
 def _per_query(c: _Chunk, x: torch.Tensor) -> torch.Tensor:
@@ -152,6 +155,22 @@ def _window(win_kv, win_mask, c: _Chunk, dt):
     nq, BLOCK, W]``."""
     wkv = win_kv[:, c.rows].transpose(1, 2).to(dt)
     return wkv, win_mask[:, c.rows].view(*c.doc.shape, -1)
+
+
+def _capped(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Scores ``s`` (already scaled) soft-capped to ``softcap * tanh(s / softcap)`` (0: as
+    they are)."""
+    return s if not softcap else torch.tanh(s / softcap) * softcap
+
+
+def _initial(c: _Chunk, sinks, hkv: int, dv: int, dt):
+    """The online softmax's state before any key: ``(max, sum, acc)`` per row ``[b, hkv, nq,
+    M]``; with sinks, each row starts as if it had seen one key of logit ``sink`` and value 0."""
+    rows = c.qc.shape[:4]
+    acc = c.qc.new_zeros(*rows, dv)
+    if sinks is None:
+        return c.qc.new_full(rows, float("-inf")), c.qc.new_zeros(rows), acc
+    return _rows(sinks[..., None], c, hkv, dt)[..., 0], c.qc.new_ones(rows), acc
 
 
 def _online(state, s, mask, weigh):
@@ -170,14 +189,18 @@ def _online(state, s, mask, weigh):
 def banded_attention_fwd(q: torch.Tensor, kvh: torch.Tensor, key_doc: torch.Tensor,
                          key_lo: torch.Tensor, doc_q: torch.Tensor,
                          win_kv: Optional[torch.Tensor], win_mask: Optional[torch.Tensor],
-                         q_start: int, band: int, stride: int, scale: float, dk: int,
-                         chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [b, Lp, H, Dv], lse [b, Lp, H])`` in the compute dtype (empty rows: 0 and 0).
+                         key_hi: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+                         q_start: int, band: int, stride: int, scale: float, softcap: float,
+                         dk: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [b, Lp, H, Dv], lse [b, Lp, H])`` in the compute dtype (empty rows: 0 and 0;
+    with sinks: 0 and the sink).
 
     ``q [b, Lp, H, D]`` with ``Lp`` a multiple of :data:`BLOCK`, ``doc_q [b, Lp]``; ``kvh [b,
-    hkv, nkb, BLOCK, D + Dv]`` head-major key blocks, ``key_doc [b, nkb, BLOCK]``, ``key_lo
-    [nkb, BLOCK]``; the window ``win_kv [b, Lp, hkv, W, D + Dv]``, ``win_mask [b, Lp, W]`` or
-    ``None``; ``chunk`` query blocks at a time (0: :func:`chunk_blocks`' default)."""
+    hkv, nkb, BLOCK, D + Dv]`` head-major key blocks, ``key_doc [b, nkb, BLOCK]``, ``key_lo``
+    and ``key_hi`` (or ``None``: unbounded) ``[nkb, BLOCK]``; the window ``win_kv [b, Lp, hkv,
+    W, D + Dv]``, ``win_mask [b, Lp, W]`` or ``None``; ``sinks [b, Lp, H]`` in the compute
+    dtype or ``None``; ``softcap`` 0 for none; ``chunk`` query blocks at a time (0:
+    :func:`chunk_blocks`' default)."""
     b, lp, h, _ = q.shape
     hkv, nkb, dv = kvh.shape[1], kvh.shape[2], kvh.shape[-1] - dk
     dt = compute_dtype(q, kvh)
@@ -188,19 +211,18 @@ def banded_attention_fwd(q: torch.Tensor, kvh: torch.Tensor, key_doc: torch.Tens
     for i0, i1, n_w in _chunks(windows, chunk):
         c = _chunk(q, doc_q, q_start, hkv, i0, i1, dt)
         rows = c.qc.shape[:4]
-        state = (c.qc.new_full(rows, float("-inf")), c.qc.new_zeros(rows),
-                 c.qc.new_zeros(*rows, dv))  # fmt: skip
+        state = _initial(c, sinks, hkv, dv, dt)
         if win_kv is not None:  # the per-query part first, then the key blocks ascending
             wkv, wmask = _window(win_kv, win_mask, c, dt)
             s = torch.matmul(_per_query(c, c.qc), wkv[..., :dk].transpose(-1, -2)) * scale
-            state = _online(state, s.view(*rows, -1), wmask,
+            state = _online(state, _capped(s.view(*rows, -1), softcap), wmask,
                             lambda p: torch.matmul(_per_query(c, p), wkv[..., dk:]).view(
                                 *rows, dv))  # fmt: skip
         base = _starts(q_start, i0, i1, n_w, nkb, stride, q.device)
         for w in range(n_w):
-            kb, vis = _block(kvh, key_doc, key_lo, c, base + w)
+            kb, vis = _block(kvh, key_doc, key_lo, key_hi, c, base + w)
             kb = kb.to(dt)
-            s = torch.matmul(c.qc, kb[..., :dk].transpose(-1, -2)) * scale
+            s = _capped(torch.matmul(c.qc, kb[..., :dk].transpose(-1, -2)) * scale, softcap)
             state = _online(state, s, vis, lambda p: torch.matmul(p, kb[..., dk:]))
         m, l, acc = state
         live = l > 0
@@ -211,7 +233,8 @@ def banded_attention_fwd(q: torch.Tensor, kvh: torch.Tensor, key_doc: torch.Tens
 
 
 @banded_attention_fwd.register_fake
-def _(q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, q_start, band, stride, scale, dk, chunk):
+def _(q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, key_hi, sinks, q_start, band, stride,
+      scale, softcap, dk, chunk):  # fmt: skip
     dt = compute_dtype(q, kvh)
     return (q.new_empty(*q.shape[:3], kvh.shape[-1] - dk, dtype=dt),
             q.new_empty(q.shape[:3], dtype=dt))  # fmt: skip
@@ -221,10 +244,13 @@ def _(q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, q_start, band, stride, s
 def banded_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, kvh: torch.Tensor,
                          key_doc: torch.Tensor, key_lo: torch.Tensor, doc_q: torch.Tensor,
                          win_kv: Optional[torch.Tensor], win_mask: Optional[torch.Tensor],
+                         key_hi: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
                          out: torch.Tensor, lse: torch.Tensor, q_start: int, band: int,
-                         stride: int, scale: float, dk: int,
-                         chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dkvh, d win_kv)`` in the inputs' dtypes (``d win_kv`` empty without a window)."""
+                         stride: int, scale: float, softcap: float, dk: int,
+                         chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor]:  # fmt: skip
+    """``(dq, dkvh, d win_kv, d sinks)`` in the inputs' dtypes (``d win_kv`` / ``d sinks``
+    empty without a window / sinks)."""
     b, lp, h, _ = q.shape
     hkv, nkb, e = kvh.shape[1], kvh.shape[2], kvh.shape[-1]
     dt = out.dtype
@@ -234,6 +260,17 @@ def banded_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, kvh: torch.Ten
     dkv = kvh.new_zeros(nkb, b, hkv, BLOCK, e, dtype=dt)
     dwin = q.new_zeros(0) if win_kv is None else win_kv.new_empty(win_kv.shape, dtype=dt)
     windows = key_block_windows(q_start, lp // BLOCK, nkb, band, stride)
+
+    def dscores(s, dp, lse_c, delta, mask):
+        """``(p, d s)`` of raw scores ``s`` (before scale and cap) from ``dp = go . v``."""
+        s = s * scale
+        capped = _capped(s, softcap)
+        p = _where(mask, torch.exp(capped - lse_c), 0.0)
+        ds = p * (dp - delta) * scale
+        if softcap:  # d(c tanh(s / c)) / ds = 1 - tanh^2
+            ds = ds * (1 - (capped / softcap) ** 2)
+        return p, ds
+
     for i0, i1, n_w in _chunks(windows, chunk):
         c = _chunk(q, doc_q, q_start, hkv, i0, i1, dt)
         nq = i1 - i0
@@ -245,9 +282,9 @@ def banded_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, kvh: torch.Ten
             wkv, wmask = _window(win_kv, win_mask, c, dt)
             qr, gr = _per_query(c, c.qc), _per_query(c, go)
             s = torch.matmul(qr, wkv[..., :dk].transpose(-1, -2)).view(*go.shape[:4], -1)
-            p = _where(wmask, torch.exp(s * scale - lse_c), 0.0)
-            dp = torch.matmul(gr, wkv[..., dk:].transpose(-1, -2)).view(p.shape)
-            ds, p = _per_query(c, p * (dp - delta) * scale), _per_query(c, p)
+            dp = torch.matmul(gr, wkv[..., dk:].transpose(-1, -2)).view(s.shape)
+            p, ds = dscores(s, dp, lse_c, delta, wmask)
+            ds, p = _per_query(c, ds), _per_query(c, p)
             dqc = dqc + torch.matmul(ds, wkv[..., :dk]).view(dqc.shape)
             grads = torch.cat([torch.matmul(ds.transpose(-1, -2), qr),
                                torch.matmul(p.transpose(-1, -2), gr)], -1)  # fmt: skip
@@ -256,11 +293,11 @@ def banded_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, kvh: torch.Ten
             grads = kvh.new_empty(nq, n_w, b, hkv, BLOCK, e, dtype=dt)
             base = _starts(q_start, i0, i1, n_w, nkb, stride, q.device)
             for w in range(n_w):
-                kb, vis = _block(kvh, key_doc, key_lo, c, base + w)
+                kb, vis = _block(kvh, key_doc, key_lo, key_hi, c, base + w)
                 kb = kb.to(dt)
                 s = torch.matmul(c.qc, kb[..., :dk].transpose(-1, -2))
-                p = _where(vis, torch.exp(s * scale - lse_c), 0.0)  # [b, hkv, nq, M, BLOCK]
-                ds = p * (torch.matmul(go, kb[..., dk:].transpose(-1, -2)) - delta) * scale
+                dp = torch.matmul(go, kb[..., dk:].transpose(-1, -2))
+                p, ds = dscores(s, dp, lse_c, delta, vis)  # [b, hkv, nq, M, BLOCK]
                 dqc = dqc + torch.matmul(ds, kb[..., :dk])
                 blk = torch.cat([torch.matmul(ds.transpose(-1, -2), c.qc),
                                  torch.matmul(p.transpose(-1, -2), go)], -1)  # fmt: skip
@@ -270,28 +307,36 @@ def banded_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, kvh: torch.Ten
             dkv.index_add_(0, idx, grads.flatten(0, 1))
         dq[:, c.rows] = _unrows(dqc, h)
     dkvh = dkv.permute(1, 2, 0, 3, 4).to(kvh.dtype).contiguous()
-    return dq.to(q.dtype), dkvh, dwin if win_kv is None else dwin.to(win_kv.dtype)
+    dsinks = q.new_zeros(0)
+    if sinks is not None:  # d lse / d sink = p_sink, and d out / d sink = -p_sink * out
+        delta = (grad_out.to(dt) * out).sum(-1)
+        dsinks = (-torch.exp(sinks.to(dt) - lse) * delta).to(sinks.dtype)
+    return (dq.to(q.dtype), dkvh, dwin if win_kv is None else dwin.to(win_kv.dtype),
+            dsinks)  # fmt: skip
 
 
 @banded_attention_bwd.register_fake
-def _(grad_out, q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, out, lse, q_start, band,
-      stride, scale, dk, chunk):  # fmt: skip
+def _(grad_out, q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, key_hi, sinks, out, lse,
+      q_start, band, stride, scale, softcap, dk, chunk):  # fmt: skip
     dwin = q.new_empty(0) if win_kv is None else win_kv.new_empty(win_kv.shape)
-    return q.new_empty(q.shape), kvh.new_empty(kvh.shape), dwin
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), kvh.new_empty(kvh.shape), dwin, dsinks
+
+
+_TENSORS = 9  # q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, key_hi, sinks
 
 
 def _setup(ctx, inputs, output):
-    q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, *args = inputs
-    ctx.save_for_backward(q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, *output)
-    ctx.args = args
+    ctx.save_for_backward(*inputs[:_TENSORS], *output)
+    ctx.args = inputs[_TENSORS:]
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, out, lse = ctx.saved_tensors
-    dq, dkvh, dwin = banded_attention_bwd(grad_out, q, kvh, key_doc, key_lo, doc_q, win_kv,
-                                          win_mask, out, lse, *ctx.args)  # fmt: skip
-    return (dq, dkvh, None, None, None, None if win_kv is None else dwin, None,
-            *[None] * len(ctx.args))  # fmt: skip
+    tensors = ctx.saved_tensors
+    win_kv, sinks = tensors[5], tensors[8]
+    dq, dkvh, dwin, dsinks = banded_attention_bwd(grad_out, *tensors, *ctx.args)
+    return (dq, dkvh, None, None, None, None if win_kv is None else dwin, None, None,
+            None if sinks is None else dsinks, *[None] * len(ctx.args))  # fmt: skip
 
 
 banded_attention_fwd.register_autograd(_backward, setup_context=_setup)
@@ -326,7 +371,8 @@ def chunk_blocks(batch: int, heads: int, kv_heads: int, e: int, band: int, strid
 def banded_attention(q: torch.Tensor, kv: torch.Tensor, dk: int, key_doc: torch.Tensor,
                      key_lo: torch.Tensor, doc_q: torch.Tensor, q_start: int, band: int,
                      scale: float, *, stride: int = 1, window: Window | None = None,
-                     chunk: int | None = None) -> torch.Tensor:
+                     key_hi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                     softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
     """Softmax attention of ``q [b, L, H, D]`` (global positions ``q_start ..``, doc ids ``doc_q
     [b, L]``) over the shared keys and values ``kv [b, K, hkv, D + Dv]`` (keys ``[..., :dk]``;
     key ``i`` is visible iff ``key_doc [b, K] == doc(t) != 0`` and ``key_lo [K] <= t``) and the
@@ -335,7 +381,16 @@ def banded_attention(q: torch.Tensor, kv: torch.Tensor, dk: int, key_doc: torch.
     ``band``: no key more than ``band - 1`` positions before a query is visible (key ``i``
     covers positions ``[i * stride, (i + 1) * stride)``). ``chunk``: queries per step, rounded
     down to whole blocks (default: about :data:`CHUNK_ELEMENTS` elements). Neither changes the
-    result, bitwise. Returns ``[b, L, H, Dv]`` in ``q``'s dtype.
+    result, bitwise. Positions are relative: any origin shared by ``q_start``, ``key_lo`` and
+    ``key_hi`` gives the same result (keys starting mid-row, e.g. after a left halo, index
+    their first key 0).
+
+    ``key_hi [K]`` (optional): key ``i`` is also invisible to queries after ``key_hi[i]`` (a
+    sliding window: ``key_lo + window - 1``; ``band`` should then be at most ``window``).
+    ``sinks`` (optional, broadcastable to ``[b, L, H]``): one more logit per query and head in
+    the softmax's denominator with a zero value (attention sinks). ``softcap``: scores (after
+    ``scale``) become ``softcap * tanh(scores / softcap)``. Returns ``[b, L, H, Dv]`` in ``q``'s
+    dtype.
     """
     b, n, h, _ = q.shape
     hkv, e = kv.shape[2], kv.shape[3]
@@ -344,13 +399,18 @@ def banded_attention(q: torch.Tensor, kv: torch.Tensor, dk: int, key_doc: torch.
     kvh = _pad(kv, nkb * BLOCK, 1).view(b, nkb, BLOCK, hkv, e).permute(0, 3, 1, 2, 4)
     kd = _pad(key_doc, nkb * BLOCK, 1, OUTSIDE_DOC_ID).view(b, nkb, BLOCK)
     kl = _pad(key_lo, nkb * BLOCK, 0, _NEVER).view(nkb, BLOCK)
-    wkv = wm = None
+    wkv = wm = kh = sk = None
     if window is not None:
         wkv, wm = _pad(window.kv, lp, 1), _pad(window.mask, lp, 1, False)
+    if key_hi is not None:
+        kh = _pad(key_hi, nkb * BLOCK, 0, -1).view(nkb, BLOCK)
+    if sinks is not None:
+        sk = _pad(sinks.to(compute_dtype(q, kv)).expand(b, n, h), lp, 1)
     # 0: the ops pick the default themselves, on concrete sizes (a dynamic length then does not
     # specialise the graph on the chunking, which changes no result)
     blocks = 0 if chunk is None else max(1, chunk // BLOCK)
     out, _ = banded_attention_fwd(_pad(q, lp, 1), kvh.contiguous(), kd, kl,
-                                  _pad(doc_q, lp, 1, OUTSIDE_DOC_ID), wkv, wm, q_start, band,
-                                  stride, float(scale), dk, blocks)  # fmt: skip
+                                  _pad(doc_q, lp, 1, OUTSIDE_DOC_ID), wkv, wm, kh, sk, q_start,
+                                  band, stride, float(scale), float(softcap or 0.0), dk,
+                                  blocks)  # fmt: skip
     return trim(out, n, q.dtype)

@@ -89,10 +89,20 @@ class GqaSteps(MixerSteps, Protocol):
                       ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``(q, k)`` rotated at document-local positions (unchanged under NoPE)."""
 
+    def fcp_window(self) -> int | None:
+        """The sliding window in tokens (a query sees itself and ``window - 1`` earlier tokens
+        of its document) or ``None`` (all of them)."""
+
+    def fcp_sinks(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Attention-sink logits ``[H]`` or ``[B, L, H]`` from ``x [B, L, D]``, or ``None``."""
+
+    def fcp_softcap(self) -> float | None:
+        """Soft-capping ``c`` of the scaled scores (``c * tanh(s / c)``) or ``None``."""
+
     def fcp_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
                    ctx: PackedContext) -> torch.Tensor:  # fmt: skip
         """``[B, L, H, Dh]``: attention within each query's document (``x [B, L, D]``, the
-        layer input, for a selection that reads it)."""
+        layer input, for a selection or sinks that read it)."""
 
     def fcp_attention_output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """``o [B, L, H * Dh]`` and ``fcp_qkv``'s gate -> ``[B, L, D]``."""
