@@ -107,6 +107,7 @@ def main(argv=None) -> Path:
         bench_long_context,
         bench_mamba2_cp,
         bench_scaling,
+        bench_sliding_window,
     )
 
     sections = []
@@ -131,6 +132,9 @@ def main(argv=None) -> Path:
                    "Index attention: time per token (1 thread) and CP bytes per layer",
                    bench_index_attention.main,
                    sized(["2048", "8192"], ["2048", "8192", "32768"], ("2", "3")))
+    swa_rows = run("sliding window", "Sliding-window attention: halo bytes and cost per token",
+                   bench_sliding_window.main,
+                   sized(["8192", "16384"], ["8192", "16384", "32768", "65536"], ("1", "3")))
     sc_rows = run("CP scaling", "CP scaling of one hybrid layer (1/2/4 ranks)", bench_scaling.main,
                   sized(["512", "1024"], ["1024", "2048", "4096"], ("2", "3")))
     print("KDA ...", flush=True)
@@ -201,6 +205,15 @@ def main(argv=None) -> Path:
         sizes = "/".join(f"{r['tokens'] // 1024}k" for r in rs)
         head.append(f"| index attention ({kind}-shaped, W={rs[0]['width']}) us per token at "
                     f"{sizes} tokens (flat = cost independent of length) | {times} |")
+    swa_bytes = [r for r in swa_rows if r["part"] == "bytes"]
+    swa_halo = max(r["halo_received"] for r in swa_bytes)
+    swa_gather = max(r["gather_received"] for r in swa_bytes)
+    head.append(f"| sliding window (4096, 32k tokens, 4 ranks): halo / K/V all-gather bytes, "
+                f"busiest rank | {swa_halo / swa_gather:.3f} |")
+    swa_time = [r for r in swa_rows if r["part"] == "time"]
+    sizes = "/".join(f"{r['tokens'] // 1024}k" for r in swa_time)
+    times = " / ".join(f"{r['us_per_token']:.0f}" for r in swa_time)
+    head.append(f"| sliding window us per token at {sizes} tokens | {times} |")
     for r in bench_index_attention.cp_bytes():
         head.append(f"| {r['model']} under CP: bytes / full K/V gather | "
                     f"{r['fcp'] / r['full_kv']:.3f} |")

@@ -8,7 +8,10 @@
 * optionally a per-query part ``window = (k, v, mask)``, ``[batch, q, kv_heads, W, D | Dv]`` and
   ``[batch, q, W]`` (each query has its own few keys, e.g. a sliding window),
 
-in **one** softmax. Only keys within ``band`` positions of a query can be visible (its document
+in **one** softmax. Optionally a key also leaves sight after a last query ``key_hi[i]`` (a
+sliding window), each query's denominator has one more zero-value logit (attention sinks,
+``[b, q, H]``: the online softmax starts from the sink as if it were a key), and the scaled
+scores are soft-capped (``c * tanh(s / c)``). Only keys within ``band`` positions of a query can be visible (its document
 started fewer than ``band`` tokens before it, :attr:`fcp.context.PackedContext.band`), so each
 block of :data:`BLOCK` queries scores only the key blocks that reach back ``band`` positions:
 ``O(local x band)`` scores, not ``O(local x keys)``.
