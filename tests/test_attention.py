@@ -412,3 +412,16 @@ def test_each_rank_receives_only_the_halo(rank_pool, window, halo):
     inputs = attention_inputs(0, 1, 64, heads=2, kv_heads=1, dim=4)
     got = rank_pool.run(fns.cp_bytes_rank, 2, "sliding", inputs, doc_ids, {"window": window})
     assert got == [0, halo * (4 + 4) * 4], got
+
+
+@FLEX_WARNINGS
+@pytest.mark.parametrize("name,kwargs", [("sliding", {"window": 3, "softcap": 2.0}),
+                                         ("sliding", {"window": 100}), ("doc_causal", {})])
+def test_flex_sinks_equal_dense_cpu(name, kwargs):
+    """FlexAttention applies the sinks from its log-sum-exp (``out * sigmoid(lse - sink)``) and
+    the soft-cap as a score_mod: the dense backend's result (forward; no CPU backward)."""
+    doc_ids = packing(*PACKINGS["straddling_blocks"])
+    inputs = _with_sinks(attention_inputs(5, *doc_ids.shape, heads=4, kv_heads=2), doc_ids)
+    want = _call(name, inputs, doc_ids, {**kwargs, "backend": "dense"})
+    got = _call(name, inputs, doc_ids, {**kwargs, "backend": "flex"})
+    torch.testing.assert_close(got, want, **FP32)
