@@ -11,12 +11,12 @@ from tests.support import cp_jobs
 
 #: inputs that are not per token: whole on every rank (their gradients are per-rank partial sums)
 PARAMS = ("kv_weight", "kv_bias")
-GRADS = ("q", "latent", "kv_weight", "kv_bias")
+GRADS = ("q", "latent", "kv_weight", "kv_bias", "k_rope")
 
 
 def call(t: dict, ctx, scale: float | None = None, query_chunk: int | None = None):
     return latent_attention(t["q"], t["latent"], t["kv_weight"], t["indices"], ctx,
-                            kv_bias=t.get("kv_bias"), scale=scale,
+                            kv_bias=t.get("kv_bias"), k_rope=t.get("k_rope"), scale=scale,
                             query_chunk=query_chunk)  # fmt: skip
 
 

@@ -66,6 +66,41 @@ def test_single_process_equals_the_reference_and_pads_get_zeros():
     assert not out[doc_ids == 0].any()  # the pad tail of row 0
 
 
+def test_a_rotary_key_is_each_heads_last_channels():
+    """``k_rope`` equals expanding the latent per head and appending the shared rotary key to
+    every head's key (index_attention over that), forward and every gradient."""
+    rope, nope = 2, DK - 2
+    t = inputs(3, 2, 12, bias=True)
+    g = torch.Generator().manual_seed(4)
+    t["kv_weight"] = torch.randn(HEADS * (nope + DV), RANK, generator=g)
+    t["kv_bias"] = torch.randn(HEADS * (nope + DV), generator=g)
+    t["k_rope"] = torch.randn(2, 12, rope, generator=g)
+    ctx = PackedContext(packing(12, [5, 1, 6], [3, 4]))
+    grad_out = torch.randn(2, 12, HEADS, DV, generator=g)
+
+    def expanded(q, latent, w, b, kr):
+        kv = torch.nn.functional.linear(latent, w, b).view(2, 12, HEADS, nope + DV)
+        k, v = kv.split([nope, DV], -1)
+        k = torch.cat([k, kr[:, :, None].expand(-1, -1, HEADS, -1)], -1)
+        return index_attention(q, k, v, t["indices"], ctx, scale=0.3, kv="global")
+
+    def operator(q, latent, w, b, kr):
+        return latent_attention(q, latent, w, t["indices"], ctx, kv_bias=b, k_rope=kr, scale=0.3)
+
+    results = []
+    for fn in (expanded, operator):
+        names = ("q", "latent", "kv_weight", "kv_bias", "k_rope")
+        leaves = [t[n].clone().requires_grad_() for n in names]
+        out = fn(*leaves)
+        (out * grad_out).sum().backward()
+        results.append([out.detach()] + [x.grad for x in leaves])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="k_rope"):
+        latent_attention(t["q"], t["latent"], t["kv_weight"], t["indices"], ctx,
+                         k_rope=torch.zeros(2, 12, DK))  # fmt: skip
+
+
 def test_rejects_bad_arguments():
     t = inputs(0, 1, 4)
     ctx = PackedContext(torch.ones(1, 4, dtype=torch.long))
@@ -76,7 +111,7 @@ def test_rejects_bad_arguments():
         latent_attention(q, c[:, :3], w, ids, ctx)
     with pytest.raises(ValueError, match="kv_weight must have shape"):
         latent_attention(q, c, w[:, :2], ids, ctx)
-    with pytest.raises(ValueError, match=r"kv_weight \(16, 5\) must have heads \* \(Dk \+ Dv\)"):
+    with pytest.raises(ValueError, match=r"kv_weight \(16, 5\) must have heads \* \(Dk - R \+ Dv\)"):
         latent_attention(q, c, w[:16], ids, ctx)
     with pytest.raises(ValueError, match="kv_bias"):
         latent_attention(q, c, w, ids, ctx, kv_bias=t["kv_bias"][:3])

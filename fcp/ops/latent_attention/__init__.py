@@ -38,22 +38,26 @@ _RUN = {"gather": latent_attention_gather}
 
 def latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_weight: torch.Tensor,
                      indices: torch.Tensor, ctx: PackedContext, *,
-                     kv_bias: torch.Tensor | None = None, scale: float | None = None,
-                     query_chunk: int | None = None,
+                     kv_bias: torch.Tensor | None = None, k_rope: torch.Tensor | None = None,
+                     scale: float | None = None, query_chunk: int | None = None,
                      backend: str = "auto") -> torch.Tensor:  # fmt: skip
     """Softmax attention of each query over its selected tokens, keys and values expanded per
     head from a shared latent.
 
     Args:
-        q: ``[batch, local_seq, heads, Dk]``, this rank's queries (NoPE: no rotary part).
+        q: ``[batch, local_seq, heads, Dk]``, this rank's queries (with ``k_rope``: their last
+            ``R`` channels are the rotary part, already rotated).
         latent: ``[batch, local_seq, rank]``, this rank's KV latent (after its norm).
-        kv_weight: ``[heads * (Dk + Dv), rank]``, ``nn.Linear``'s layout (``kv_b_proj.weight``):
-            for each head, ``Dk`` key rows then ``Dv`` value rows; ``Dv`` follows from the shape.
+        kv_weight: ``[heads * (Dk - R + Dv), rank]``, ``nn.Linear``'s layout
+            (``kv_b_proj.weight``): for each head, ``Dk - R`` key rows then ``Dv`` value rows
+            (``R = 0`` without ``k_rope``); ``Dv`` follows from the shape.
         indices: int ``[batch, local_seq, W]``: **global** token ids, ``-1`` for none; a set
             (order and repeats do not matter). Ids outside ``[start of doc(t), t]`` are ignored.
             From :func:`~fcp.ops.kpool_indexer.kpool_indexer` or any indexer; no gradient.
         ctx: the rank's :class:`~fcp.context.PackedContext`.
-        kv_bias: ``[heads * (Dk + Dv)]`` or ``None`` (``kv_b_proj.bias``).
+        kv_bias: ``[heads * (Dk - R + Dv)]`` or ``None`` (``kv_b_proj.bias``).
+        k_rope: ``[batch, local_seq, R]`` or ``None``: MLA's rotary key (GLM-5, DeepSeek),
+            rotated, shared by every head: the last ``R`` channels of each head's key.
         scale: softmax scale, default ``Dk ** -0.5``.
         query_chunk: queries whose keys are gathered at a time (bounds memory); default about
             4M elements per chunk. Results do not depend on it, bitwise.
@@ -65,8 +69,8 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_weight: torch.Ten
         for fp64 inputs). A query with no valid selected token (a pad query, an all ``-1`` row)
         gets exact zeros and sends no gradient.
 
-    Under CP: one all-gather of the latent in its own dtype (``rank`` numbers per token, never
-    the expanded ``heads * (Dk + Dv)``); its backward reduce-scatter sums the ranks' gradients
+    Under CP: one all-gather of the latent (with ``k_rope`` beside it) in its own dtype (``rank
+    + R`` numbers per token, never the expanded ``heads * (Dk + Dv)``); its backward reduce-scatter sums the ranks' gradients
     in fp32 and rounds once. Each rank expands only the tokens up to its last query. Gradients
     of ``kv_weight`` and ``kv_bias`` are per-rank partial sums (the data-parallel reduction over
     the CP ranks sums them). No host synchronisation, static shapes: a compiled model does not
@@ -93,12 +97,20 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_weight: torch.Ten
                  layout="[batch, local_seq, rank]")  # fmt: skip
     heads, dk, rank = q.shape[2], q.shape[3], latent.shape[2]
     check_tensor(kv_weight, "kv_weight", fn=name, kind="float", shape=(None, rank),
-                 layout="[heads * (Dk + Dv), rank]")  # fmt: skip
+                 layout="[heads * (Dk - R + Dv), rank]")  # fmt: skip
+    rope = 0
+    if k_rope is not None:
+        check_tensor(k_rope, "k_rope", fn=name, kind="float", shape=(batch, local, None),
+                     layout="[batch, local_seq, R]")  # fmt: skip
+        rope = k_rope.shape[2]
+        if not 0 < rope < dk:
+            raise ValueError(f"{name}: k_rope {tuple(k_rope.shape)} must have 0 < R < Dk={dk} "
+                             f"(q {tuple(q.shape)})")  # fmt: skip
     rows = kv_weight.shape[0]
-    if heads < 1 or dk < 1 or rows % heads or rows // heads <= dk:
+    if heads < 1 or dk < 1 or rows % heads or rows // heads <= dk - rope:
         raise ValueError(
-            f"{name}: kv_weight {tuple(kv_weight.shape)} must have heads * (Dk + Dv) rows with "
-            f"heads={heads} and Dk={dk} from q {tuple(q.shape)} and Dv >= 1"
+            f"{name}: kv_weight {tuple(kv_weight.shape)} must have heads * (Dk - R + Dv) rows "
+            f"with heads={heads}, Dk={dk} from q {tuple(q.shape)}, R={rope} and Dv >= 1"
         )
     if kv_bias is not None:
         check_tensor(kv_bias, "kv_bias", fn=name, kind="float", shape=(rows,))
@@ -106,6 +118,7 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_weight: torch.Ten
     backend = choose_backend(name, backend, BACKENDS, "gather")
     scale = default_scale(dk, scale)
     with autocast_off(q.device):
+        rope_key = None if k_rope is None else finite_or_zero(k_rope)
         out = _RUN[backend](finite_or_zero(q), finite_or_zero(latent), kv_weight, kv_bias,
-                            indices.detach(), ctx, scale, query_chunk)  # fmt: skip
+                            indices.detach(), ctx, scale, query_chunk, rope_key)  # fmt: skip
     return zero_nonfinite_grad(out)

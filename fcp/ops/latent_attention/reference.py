@@ -24,10 +24,12 @@ __all__ = ["latent_attention_reference"]
 def latent_attention_reference(q: torch.Tensor, latent: torch.Tensor, kv_weight: torch.Tensor,
                                indices: torch.Tensor, ctx: PackedContext | torch.Tensor, *,
                                kv_bias: torch.Tensor | None = None,
+                               k_rope: torch.Tensor | None = None,
                                scale: float | None = None) -> torch.Tensor:  # fmt: skip
     """float64 ``[batch, seq, heads, Dv]`` from global ``q [b, seq, H, Dk]``, ``latent [b, seq,
-    rank]``, ``kv_weight [H * (Dk + Dv), rank]``, ``indices [b, seq, W]`` and a single-process
-    context (or the doc-id map) in one process.
+    rank]``, ``kv_weight [H * (Dk - R + Dv), rank]``, ``indices [b, seq, W]``, the optional
+    shared rotary key ``k_rope [b, seq, R]`` (the last ``R`` channels of every head's key) and a
+    single-process context (or the doc-id map) in one process.
 
     >>> ctx = torch.tensor([[1, 2]])  # two documents: token 1 cannot read token 0
     >>> latent_attention_reference(torch.ones(1, 2, 1, 1), torch.tensor([[[1.0], [2.0]]]),
@@ -38,7 +40,10 @@ def latent_attention_reference(q: torch.Tensor, latent: torch.Tensor, kv_weight:
     heads, dk = q.shape[2], q.shape[3]
     bias = None if kv_bias is None else kv_bias.double()
     kv = F.linear(latent.double(), kv_weight.double(), bias).unflatten(-1, (heads, -1))
-    k, v, q = kv[..., :dk], kv[..., dk:], q.double()
+    nope = dk if k_rope is None else dk - k_rope.shape[-1]
+    k, v, q = kv[..., :nope], kv[..., nope:], q.double()
+    if k_rope is not None:
+        k = torch.cat([k, k_rope.double()[:, :, None].expand(-1, -1, heads, -1)], -1)
     scale = dk**-0.5 if scale is None else scale
 
     def row(b: int, t: int, doc: list[int]) -> torch.Tensor:
