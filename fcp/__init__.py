@@ -42,9 +42,13 @@ from fcp.ops.index_attention import index_attention
 from fcp.ops.kda import kda
 from fcp.ops.kpool_indexer import kpool_indexer
 from fcp.ops.latent_attention import latent_attention
+from fcp.ops.pooled_attention import gated_pools, pool_select, pooled_window_attention
 from fcp.ops.qsa_indexer import qsa_indexer
+from fcp.ops.relative_attention import relative_attention
 from fcp.ops.sliding_window import sliding_window_attention
 from fcp.ops.token_history import token_history
+from fcp.ops.token_lags import token_lags
+from fcp.ops.token_indexer import token_indexer
 from fcp import loss
 
 __all__ = [
@@ -60,6 +64,7 @@ __all__ = [
     "doc_ids_from_cu_seqlens",
     "doc_ids_from_seq_lens",
     "document_starts",
+    "gated_pools",
     "gather_sequence",
     "gla",
     "index_attention",
@@ -70,8 +75,11 @@ __all__ = [
     "loss",
     "lengths_from_doc_ids",
     "packed_boundaries_from_seq_lens",
+    "pool_select",
+    "pooled_window_attention",
     "position_ids_from_doc_ids",
     "qsa_indexer",
+    "relative_attention",
     "resolve_group",
     "segment_cu_seqlens",
     "shard_batch",
@@ -79,6 +87,8 @@ __all__ = [
     "sliding_window_attention",
     "state_chain",
     "token_history",
+    "token_indexer",
+    "token_lags",
     "validate_doc_ids",
     "validate_right_tail_mask",
 ]

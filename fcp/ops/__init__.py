@@ -12,11 +12,22 @@ guarantees). No operator folder imports another.
   causal within each document);
 * :mod:`.sliding_window` - :func:`~fcp.ops.sliding_window.sliding_window_attention` (the same
   within the last ``window`` tokens, its K/V halo crossing ranks; attention sinks, soft-capping);
+* :mod:`.relative_attention` - :func:`~fcp.ops.relative_attention.relative_attention` (softmax
+  attention within documents plus a per-query bias over the backward distance: Inkling-2);
 * :mod:`.compressed` - :func:`~fcp.ops.compressed.compressed_attention` (attention over K/V block
   means);
 * :mod:`.kpool_indexer` (GLM-5.3-Flash's DSA k-pool indexer) and :mod:`.qsa_indexer`
   (Qwen3.8-Flash-Next's QSA selection): global token ids that :mod:`.index_attention` attends,
   or :mod:`.latent_attention` (MLA over the selected tokens, its latent gathered);
+* :mod:`.pooled_attention` - DeepSeek-V4's compressed attention: softmax-gated
+  document-aligned pools (:func:`~fcp.ops.pooled_attention.gated_pools`), the lightning
+  indexer's pool choice (:func:`~fcp.ops.pooled_attention.pool_select`) and one softmax over an
+  exact window, the pools and sinks (:func:`~fcp.ops.pooled_attention.pooled_window_attention`);
+* :mod:`.token_indexer` - :func:`~fcp.ops.token_indexer.token_indexer` (the token-level DSA
+  "lightning" indexer of GLM-5 / DeepSeek-V3.2: top-k single tokens per query);
+* :mod:`.token_lags` - :func:`~fcp.ops.token_lags.token_lags` (each token's ``size - 1``
+  predecessors in its document, ``fill`` outside it: grouped convs, token shifts, per-token
+  conv taps);
 * :mod:`.token_history` - each token's preceding ids inside its document (hashed n-gram
   embeddings).
 
