@@ -57,7 +57,12 @@ def check(reference: dict, rows: list[list[int]], results: list) -> float:
         for i in row:
             for name, g in reference["grads"][i].items():
                 want[name] = want.get(name, 0) + g
-    assert grads.keys() == want.keys()
+    # a parameter transformers never reaches on these documents (DeepSeek-V4's compressors on
+    # documents shorter than a pool) has no gradient there and an exact zero one in fcp, whose
+    # static shapes always run the path
+    assert want.keys() <= grads.keys(), sorted(want.keys() - grads.keys())
+    assert not any(grads[n].any() for n in grads.keys() - want.keys())
+    grads = {n: grads[n] for n in want}
     scale = max(float(w.abs().max()) for w in want.values())
     errs = {}
     for name, g in grads.items():
@@ -131,7 +136,8 @@ def check_replacement(family: str, config: dict, kinds: dict):
 def compile_counts(family: str, config: dict, steps: int) -> tuple[list, int]:
     """Every mixer of a packed ``family`` model compiled as the demo does (``mixer.compile``,
     fullgraph, aot_eager), the model run over ``steps`` packings of one shape (outputs checked
-    against eager's to 1e-5): ``(compiled frames after each step, number of mixer kinds)``."""
+    against eager's to 1e-5): ``(compiled frames after each step, number of (mixer class, layer
+    type) pairs)``."""
     import torch._dynamo.testing
 
     from fcp.integrations.hf import FcpMixer
@@ -151,7 +157,10 @@ def compile_counts(family: str, config: dict, steps: int) -> tuple[list, int]:
                          for m in (model, eager))  # fmt: skip
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             counts.append(counter.frame_count)
-    return counts, len({type(model.get_submodule(n)) for n in names})
+    # one graph per mixer class and layer type: a sliding and a full layer of one class take
+    # different paths (their window is a constant of the graph)
+    mixers = [model.get_submodule(n) for n in names]
+    return counts, len({(type(m), getattr(m, "layer_type", None)) for m in mixers})
 
 
 def packed_model(family: str, config: dict, state_dict: dict):

@@ -14,14 +14,22 @@ backbones:
 * the Mamba2 hybrids Nemotron-H, Granite 4.0-H, Falcon-H1 and Bamba (one mixer kind: conv over
   ``[x | B | C]``, SSD as :func:`fcp.ops.gla.gla`, D skip, gated RMSNorm; their attention NoPE,
   RoPE, muP-scaled or half-rotated), their MoE transformers' own; LFM2 / LFM2-MoE: gated short
-  conv and GQA with per-head q/k norm.
+  conv and GQA with per-head q/k norm;
+* sliding-window and full attention: Gemma 2 (soft-capped scores), Gemma 3 (q/k norms, a RoPE
+  per layer type), gpt-oss (per-head sinks, YaRN), Granite-SWA / -MoE-SWA (sinks, a RoPE base
+  per layer or NoPE), LFM3 (gated short conv beside them), Lara-Mini (Gated DeltaNet beside
+  them), ZAYA (convolutional q/k, a token-shifted value half), Inkling-2 (static and dynamic
+  short convs, a per-query relative-position bias, per-query sinks), DeepSeek-V4 (sliding
+  layers with sinks, CSA and HCA compressed attention with a lightning indexer); GLM-5 (MLA
+  over a token-level DSA indexer with RoPE, its selection shared across layers).
 
 Every packed document must then come out exactly as transformers computes it alone (its
 pure-PyTorch paths: FLA, mamba_ssm and causal-conv1d blocked): outputs to 1e-5; every parameter's
 gradient, summed over the CP ranks, to 1e-5 relative to the larger of its own largest entry and a
 tenth of the model's largest gradient entry (fp32 rounding of differently ordered sums); on 1, 2
 and 4 gloo ranks, for Hypothesis packings (documents shorter than the conv width, a document
-spanning every rank, padding, two rows). The Mamba2 configurations use chunks of 8 tokens, so
+spanning every rank, padding, two rows; for the sliding-window families windows longer than
+a shard). The Mamba2 configurations use chunks of 8 tokens, so
 documents cross chunk boundaries in transformers and in fcp.
 
 The reference (transformers itself, in one subprocess for every family: the session's
@@ -65,6 +73,21 @@ def test_packed_documents_equal_transformers_on_each_document(rank_pool, hf_refe
 def test_one_document_spanning_every_rank_with_padding(rank_pool, hf_references, family, world):
     fns.check_spanning_every_rank(rank_pool, hf_references[family], family,
                                   FAMILIES[family].config, world)  # fmt: skip
+
+
+#: the families with sliding-window layers (their tiny windows: 5-7 tokens)
+WINDOWED = [name for name in NAMES
+            if {"sliding_window", "sliding_window_size"} & set(FAMILIES[name].config)]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_windows_longer_than_a_shard(rank_pool, hf_references, family):
+    """4 ranks of 4 tokens: the 13-token document spans every rank and every window is longer
+    than a shard, so a sliding layer's K/V halo comes from more than the previous rank's last
+    tokens (two ranks for windows of 6 and more); the second row packs four short documents."""
+    fns.check_spanning_every_rank(rank_pool, hf_references[family], family,
+                                  FAMILIES[family].config, 4, rows=((5,), (3, 2, 1, 0)),
+                                  seq=16)  # fmt: skip
 
 
 @pytest.mark.parametrize("family", NAMES)

@@ -20,27 +20,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fcp.integrations.hf import (
+    FcpMixer,
     GatedDeltaNetMixer,
     GatedShortConvMixer,
     GqaMixer,
+    IndexedMlaMixer,
     KdaMixer,
     MlaMixer,
     SsdMixer,
 )
+from fcp.integrations.hf.families.deepseek_v4 import DeepseekV4AttentionAdapter
 from tests.support.hf_packings import document_packings
 from tests.support.hf_reference import (
     BAILING_HYBRID_TINY,
+    DEEPSEEK_V4_TINY,
     BAMBA_TINY,
     FALCON_H1_TINY,
+    GEMMA2_TINY,
+    GEMMA3_TINY,
+    GLM_MOE_DSA_TINY,
+    GPT_OSS_TINY,
+    GRANITEMOE_SWA_TINY,
     GRANITE_HYBRID_TINY,
+    GRANITE_SWA_TINY,
+    INKLING2_TINY,
     KIMI_TINY,
+    LARA_MINI_TINY,
     LFM2_MOE_TINY,
     LFM2_TINY,
+    LFM3_TINY,
     NEMOTRON_H_TINY,
     OLMO_HYBRID_TINY,
     QWEN3_5_MOE_TINY,
     QWEN3_5_TINY,
     QWEN3_NEXT_TINY,
+    ZAYA_TINY,
 )
 
 HIDDEN = 32
@@ -99,13 +113,58 @@ FAMILIES = {
     "lfm2_moe": Family(LFM2_MOE_TINY, {"Lfm2MoeAttention": GqaMixer,
                                        "Lfm2MoeShortConv": GatedShortConvMixer},
                        "Lfm2MoeForCausalLM", examples=2, compile_steps=5),
+    # sliding-window + global attention: Gemma 3 (q/k norms, a RoPE per layer type), Granite-SWA
+    # and Granite-MoE-SWA (per-head sinks, a RoPE base per layer or NoPE); their layers differ
+    # in window and RoPE, one graph each: compiled in tests/test_hf_swa_gemma_granite.py
+    # Gemma 2: sliding + global attention with soft-capped scores
+    "gemma2": Family(GEMMA2_TINY, {"Gemma2Attention": GqaMixer}, "Gemma2ForCausalLM", examples=2,
+                     compile_steps=3),
+    "gemma3": Family(GEMMA3_TINY, {"Gemma3Attention": GqaMixer}, "Gemma3ForCausalLM", examples=2,
+                     compile_steps=0),
+    "granite_swa": Family(GRANITE_SWA_TINY, {"GraniteSWAAttention": GqaMixer},
+                          "GraniteSWAForCausalLM", examples=2, compile_steps=0),
+    "granitemoe_swa": Family(GRANITEMOE_SWA_TINY, {"GraniteMoeSWAAttention": GqaMixer},
+                             "GraniteMoeSWAForCausalLM", examples=2, compile_steps=0),
+    # sliding + full attention with sinks (gpt-oss, YaRN RoPE); gated short conv + sliding + full
+    # attention with a RoPE per layer type and a per-head output gate (LFM3); Gated DeltaNet +
+    # sliding attention with RoPE + NoPE full attention (Lara-Mini; its compiled Gated DeltaNet
+    # is Qwen3.5's adapter, compiled above, its attention gpt-oss's kind: compile_steps 0)
+    "gpt_oss": Family(GPT_OSS_TINY, {"GptOssAttention": GqaMixer}, "GptOssForCausalLM",
+                      examples=2, compile_steps=3),
+    "lfm3": Family(LFM3_TINY, {"Lfm3Attention": GqaMixer, "Lfm3ShortConv": GatedShortConvMixer},
+                   "Lfm3ForCausalLM", examples=2, compile_steps=3),
+    "lara_mini": Family(LARA_MINI_TINY, {"LaraMiniAttention": GqaMixer,
+                                         "LaraMiniGatedDeltaNet": GatedDeltaNetMixer},
+                        "LaraMiniForCausalLM", examples=2, compile_steps=0),
+    # CCA (convolved q/k, a token-shifted half of v) + sliding and full GQA with q/k norm, a RoPE
+    # per layer type, MoE with a router state carried across layers (ZAYA)
+    "zaya": Family(ZAYA_TINY, {"ZayaAttention": GqaMixer}, "ZayaForCausalLM", examples=2,
+                   compile_steps=3),
+    # short convs around every block, sliding and full GQA with a per-query relative position
+    # bias, per-query sinks, dynamic k/v convs, L2 clips / log scales, block attention residuals
+    "inkling2": Family(INKLING2_TINY, {"Inkling2FullAttention": GqaMixer,
+                                       "Inkling2ShortConvolution": FcpMixer,
+                                       "Inkling2SlidingAttention": GqaMixer},
+                       "Inkling2ForCausalLM", examples=2, compile_steps=3),
+    # sliding attention with sinks + CSA (overlapping gated pools, lightning indexer) + HCA (gated
+    # pools), K = V, mHC and hash-routed MoE (DeepSeek-V4)
+    "deepseek_v4": Family(DEEPSEEK_V4_TINY, {"DeepseekV4Attention": DeepseekV4AttentionAdapter},
+                          "DeepseekV4ForCausalLM", examples=2, compile_steps=0),
+    # MLA with RoPE over a token-level DSA indexer's selection, shared by "shared" layers
+    # (GLM-5; its full and shared layers compile to separate graphs: tests/test_hf_glm5_dsa.py)
+    "glm_moe_dsa": Family(GLM_MOE_DSA_TINY, {"GlmMoeDsaAttention": IndexedMlaMixer},
+                          "GlmMoeDsaForCausalLM", examples=2, compile_steps=0),
 }  # fmt: skip
 
 #: configuration variants that take other branches of the adapters: Falcon-H1 without its gated
-#: norm (``y * silu(z)``), Granite 4.0-H without RoPE; ``{name: (family, config)}``
+#: norm (``y * silu(z)``), Granite 4.0-H without RoPE, LFM3 without its output gate;
+#: ``{name: (family, config)}``
 VARIANTS = {"falcon_h1_no_norm": ("falcon_h1", dict(FALCON_H1_TINY, mamba_rms_norm=False)),
             "granite_nope": ("granitemoehybrid",
-                             dict(GRANITE_HYBRID_TINY, position_embedding_type=None))}  # fmt: skip
+                             dict(GRANITE_HYBRID_TINY, position_embedding_type=None)),
+            # LFM3 without its per-head output gate, sandwich norms or conv biases
+            "lfm3_no_gate": ("lfm3", dict(LFM3_TINY, use_attention_gate=False,
+                                          use_sandwich_norm=False, conv_bias=False))}  # fmt: skip
 
 
 def references() -> dict:

@@ -69,6 +69,17 @@ BAMBA_TINY = _tiny("bamba")
 LFM2_TINY = _tiny("lfm2")
 LFM2_MOE_TINY = _tiny("lfm2_moe")
 QWEN4_EXP_TINY = _tiny("qwen4_exp")
+GEMMA2_TINY = _tiny("gemma2")
+GEMMA3_TINY = _tiny("gemma3")
+GRANITE_SWA_TINY = _tiny("granite_swa")
+GRANITEMOE_SWA_TINY = _tiny("granitemoe_swa")
+INKLING2_TINY = _tiny("inkling2")
+ZAYA_TINY = _tiny("zaya")
+GPT_OSS_TINY = _tiny("gpt_oss")
+LFM3_TINY = _tiny("lfm3")
+LARA_MINI_TINY = _tiny("lara_mini")
+GLM_MOE_DSA_TINY = _tiny("glm_moe_dsa")
+DEEPSEEK_V4_TINY = _tiny("deepseek_v4")
 
 #: Parameters whose default initialisation makes terms of the formulas vanish (all-ones gates,
 #: zero positional terms, zero-centred norms): the tests perturb them so every term matters.
@@ -92,6 +103,27 @@ _PERTURB_BY_FAMILY = {
     "lfm2_moe": ("norm", "conv"),
     # zero-centred norms (1 + w, w = 0), the PLE conv (zero init), the indexer's norms
     "qwen4_exp": ("A_log", "dt_bias", "norm", "conv1d"),
+    # Gemma 3: zero-centred norms (1 + w), q/k norms included; Granite-SWA: zero sinks, norms
+    "gemma2": ("norm",),
+    "gemma3": ("norm",),
+    "granite_swa": ("sinks", "norm"),
+    "granitemoe_swa": ("sinks", "norm"),
+    # ZAYA: k's temperature (zero init: k would vanish), residual scalings and biases, norms
+    "zaya": ("temp", "scale", "bias", "norm", "conv_qk"),
+    # Inkling-2: the learned scales of the L2 clips, the dynamic convs' static taps and the
+    # attention residuals' queries (zero init), the norms
+    "inkling2": ("scale", "static_weight", "query", "norm", "conv1d"),
+    # gpt-oss: small sinks, ones norms, zero biases (attention, experts); LFM3: its norms, the
+    # conv's zero bias; Lara-Mini: as Qwen3.5
+    "gpt_oss": ("sinks", "norm", "bias"),
+    "lfm3": ("norm", "conv"),
+    "lara_mini": ("A_log", "dt_bias", "norm", "conv1d"),
+    # GLM-5: its norms (ones; the indexer's LayerNorm k_norm: ones and zero bias)
+    "glm_moe_dsa": ("norm",),
+    # DeepSeek-V4: zero sinks and pool position biases, ones norms, the hyper-connections'
+    # constant bases and scales
+    "deepseek_v4": ("sinks", "position_bias", "norm", "hc.base", "hc.scale", "hc_base",
+                    "hc_scale"),
 }
 
 
@@ -130,10 +162,12 @@ def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
 
 def selection_rows(selection: torch.Tensor) -> list[set[int]]:
     """The selected token set of every query of an indexer's output for one sequence: GLM's
-    token ids ``[1, L, W]`` (-1: none) or Qwen4-Exp's selection mask ``[1, 1, L, S]``."""
+    token ids ``[1, L, W]`` (-1: none) or Qwen4-Exp's selection mask ``[1, 1, L, S]``. Ids
+    after the query are dropped: GLM-5's indexer takes ``topk(min(index_topk, L))`` of masked
+    scores, so a query with fewer visible tokens also lists (tied, masked) future ones."""
     if selection.dtype == torch.bool:
         return [set(torch.nonzero(row).flatten().tolist()) for row in selection[0, 0]]
-    return [set(row.tolist()) - {-1} for row in selection[0]]
+    return [{s for s in row.tolist() if 0 <= s <= t} for t, row in enumerate(selection[0])]
 
 
 def indexer_selections(model, tie_rule: bool) -> list:

@@ -76,6 +76,11 @@ class NoMasks(dict):
     def __missing__(self, key):
         return None
 
+    def values(self):
+        # DeepSeek-V4 reads a ready mapping's first value as "the" mask (next(iter(values())));
+        # one None, which fcp's mixers never read
+        return [None]
+
 
 class FcpMixer(nn.Module):
     """Base of every fcp mixer class. Never instantiated: :func:`replace` swaps a transformers

@@ -5,8 +5,9 @@ A family is one module of this package holding its adapters (subclasses of a mix
 its rows; its docstring says what fcp reads from transformers. Families that share adapters share
 a module (Qwen3.5 / Qwen3.5-MoE, LFM2 / LFM2-MoE, the four Mamba2 hybrids). Everything that
 lists families is derived from :data:`FAMILIES`: :data:`SUPPORTED` (what ``enable_packed_cp``
-replaces), :func:`supported_families` (its refusal), :func:`model_table` (the README's table;
-``python -m fcp.integrations.hf.families`` prints it).
+replaces), :func:`supported_families` (its refusal), :func:`model_table` (the transformers
+guide's table, ``python -m fcp.integrations.hf.families table``) and :func:`model_list` (the
+README's list, ``python -m fcp.integrations.hf.families list``).
 
 Adding a family: a module here with its adapters and its ``FAMILIES`` rows (:class:`Family`:
 transformers class names -> mixer, what crosses ranks, the tiny test config; the module is found
@@ -23,8 +24,8 @@ from fcp.integrations.hf.core import FcpMixer
 from fcp.integrations.hf.families.family import Family
 from fcp.integrations.hf.mixers import STEPS
 
-__all__ = ["FAMILIES", "SUPPORTED", "Family", "family", "family_modules", "kind_of", "model_table",
-           "supported_families"]  # fmt: skip
+__all__ = ["FAMILIES", "SUPPORTED", "Family", "family", "family_modules", "kind_of", "model_list",
+           "model_table", "supported_families"]  # fmt: skip
 
 #: The modules of this package that are not family modules.
 NOT_FAMILIES = ("family", "__main__")
@@ -66,9 +67,25 @@ def supported_families() -> str:
                      for row in FAMILIES)  # fmt: skip
 
 
+def model_list(width: int = 100) -> str:
+    """The README's list of families (Markdown, lines of at most ``width`` characters): their
+    number, then ``Title (`name`)`` for each, by title."""
+    rows = sorted(FAMILIES, key=lambda r: r.title.lower())
+    words = [f"{row.title} (`{row.name}`)," for row in rows]
+    words[-1] = words[-1][:-1] + "."
+    lines, line = [], f"{len(FAMILIES)} families:"
+    for word in words:
+        if len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}"
+    return "\n".join(lines + [line]) + "\n"
+
+
 def model_table() -> str:
-    """The README's model table (Markdown): family | transformers classes | mixer kinds | what
-    crosses ranks per layer, one row per family."""
+    """The transformers guide's model table (Markdown): family | transformers classes | mixer
+    kinds | what crosses ranks per layer, one row per family."""
 
     def cell(text: str) -> str:
         return text.replace("|", "\\|")  # a pipe would split the cell

@@ -84,7 +84,8 @@ class MlaMixer(FcpMixer):
 
 class IndexedMlaMixer(MlaMixer):
     """DSA: MLA over the tokens a k-pool indexer selects, top-k shared across layers (module
-    doc). NoPE only (``qk_rope_head_dim == 0``, GLM-5.3-Flash)."""
+    doc). NoPE (``qk_rope_head_dim == 0``, GLM-5.3-Flash) unless an adapter rotates
+    (``fcp_rotate``: GLM-5's, whose rotary key then travels beside the latent)."""
 
     @classmethod
     def fcp_check(cls, module) -> None:
@@ -111,7 +112,8 @@ class IndexedMlaMixer(MlaMixer):
     def fcp_forward(self, hidden_states: torch.Tensor, ctx: PackedContext, *,
                     prev_topk_indices=None, **_):  # fmt: skip
         q, q_resid = self.fcp_query(hidden_states)
-        latent, _ = self.fcp_latent(hidden_states)
+        latent, k_rope = self.fcp_latent(hidden_states)
+        q, k_rope = self.fcp_rotate(q, k_rope, ctx)
         if self.indexer is not None:
             topk = self.fcp_select(hidden_states, q_resid, ctx)
         elif prev_topk_indices is None:
@@ -119,8 +121,13 @@ class IndexedMlaMixer(MlaMixer):
                              "indexer layer.")  # fmt: skip
         else:
             topk = prev_topk_indices
-        # the operator all-gathers the latent and expands it with kv_b_proj (fcp_expand's
-        # arithmetic, per head keys then values)
+        # the operator all-gathers the latent (and the rotary key shared by the heads) and
+        # expands it with kv_b_proj (fcp_expand's arithmetic, per head keys then values)
         o = latent_attention(q, latent, self.kv_b_proj.weight, topk, ctx,
-                             kv_bias=self.kv_b_proj.bias, scale=self.scaling)  # fmt: skip
-        return self.fcp_output(o, hidden_states), None, topk if self.next_skip_topk else None
+                             kv_bias=self.kv_b_proj.bias,
+                             k_rope=k_rope if self.qk_rope_head_dim else None,
+                             scale=self.scaling)  # fmt: skip
+        # the selection a "shared" next layer reuses: GLM-5.3-Flash hands it on where its
+        # layer says so (next_skip_topk), GLM-5's layers always do
+        hand_on = getattr(self, "next_skip_topk", True)
+        return self.fcp_output(o, hidden_states), None, topk if hand_on else None
