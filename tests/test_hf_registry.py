@@ -8,9 +8,10 @@
   (parameter names and kinds, classmethod / staticmethod / method), and a step name has one
   contract across all protocols;
 * no two adapters are the same code;
-* the README's model table is :func:`~fcp.integrations.hf.families.model_table` (between the
+* the transformers guide's model table is :func:`~fcp.integrations.hf.families.model_table` and
+  the README's list :func:`~fcp.integrations.hf.families.model_list` (between the
   ``<!-- families:begin -->`` / ``<!-- families:end -->`` markers), which
-  ``python -m fcp.integrations.hf.families`` prints.
+  ``python -m fcp.integrations.hf.families table | list`` prints.
 
 No transformers import: these read fcp's classes only (the parity of each family with
 transformers: ``tests/test_hf_*.py``).
@@ -33,7 +34,7 @@ import torch
 
 import fcp.integrations.hf.families as registry
 from fcp.integrations.hf import SUPPORTED, FcpMixer, enable_packed_cp
-from fcp.integrations.hf.families import FAMILIES, kind_of, model_table
+from fcp.integrations.hf.families import FAMILIES, kind_of, model_list, model_table
 from fcp.integrations.hf.mixers import STEPS
 from fcp.integrations.hf.mixers.protocols import MixerSteps
 
@@ -194,17 +195,26 @@ def test_the_table_has_one_row_per_family_and_no_stray_pipe():
         assert len(cells) == 4 and f"`{row.name}`" in cells[0], line
 
 
-def test_the_command_line_prints_the_table():
-    out = subprocess.run([sys.executable, "-m", "fcp.integrations.hf.families"], cwd=ROOT,
+@pytest.mark.parametrize("what", ["table", "list"])
+def test_the_command_line_prints_the_table_and_the_list(what):
+    out = subprocess.run([sys.executable, "-m", "fcp.integrations.hf.families", what], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, check=True).stdout  # fmt: skip
-    assert out == model_table()
+    assert out == (model_table() if what == "table" else model_list())
 
 
-def test_the_readme_table_is_the_registry():
-    """Regenerate it with ``python -m fcp.integrations.hf.families``."""
-    readme = (ROOT / "README.md").read_text()
-    assert readme.count(BEGIN) == 1 and readme.count(END) == 1, "README has no families block"
-    inside = readme.split(BEGIN)[1].split(END)[0]
-    assert inside.strip("\n") == model_table().strip("\n"), (
-        "README's model table differs from the registry: regenerate it with "
-        "`python -m fcp.integrations.hf.families`")  # fmt: skip
+def _block(path: str) -> str:
+    text = (ROOT / path).read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, f"{path} has no families block"
+    return text.split(BEGIN)[1].split(END)[0].strip("\n")
+
+
+def test_the_guide_table_and_the_readme_list_are_the_registry():
+    """Regenerate them with ``python -m fcp.integrations.hf.families table`` (the transformers
+    guide) and ``... list`` (the README)."""
+    assert _block("docs/guides/transformers.md") == model_table().strip("\n"), (
+        "the transformers guide's model table differs from the registry: regenerate it with "
+        "`python -m fcp.integrations.hf.families table`")  # fmt: skip
+    assert _block("README.md") == model_list().strip("\n"), (
+        "README's list of families differs from the registry: regenerate it with "
+        "`python -m fcp.integrations.hf.families list`")  # fmt: skip
+    assert all(len(line) <= 100 for line in model_list().splitlines())

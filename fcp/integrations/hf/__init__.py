@@ -25,7 +25,7 @@ context. :func:`packed_mixers` lists what was replaced (also logged at INFO, log
 Supported families and mixers: the registry :mod:`fcp.integrations.hf.families`, one module and
 one row per transformers family (what each replaces, with which mixer kind of :mod:`.mixers`, and
 what crosses ranks per layer); :data:`SUPPORTED` and :func:`enable_packed_cp`'s refusal are
-derived from it, and ``python -m fcp.integrations.hf.families`` prints the README's model table.
+derived from it, and ``python -m fcp.integrations.hf.families`` prints the guide's model table.
 
 transformers binds these models' recurrent kernels to FLA's Triton kernels whenever FLA is
 importable (they fail on a CPU); given a ``cp_context`` the mixers never take that path: they run
