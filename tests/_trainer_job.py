@@ -156,6 +156,14 @@ def main() -> None:
     cp_size = 1 if mode == "one" else int(mode.removeprefix("cp"))  # "cp2": CP 2 (x dp)
     for name in names:
         run_fcp(out, name, cp_size)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        # shut gloo down before the interpreter does: left to exit, a rank's process group can
+        # destroy a joinable thread ("terminate called without an active exception", exit -6)
+        # after every result is written, failing the launch
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
