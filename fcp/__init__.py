@@ -36,18 +36,21 @@ from fcp.comm import state_chain
 from fcp.shard import gather_sequence, shard_batch
 from fcp.ops.compressed import compressed_attention
 from fcp.ops.doc_causal import doc_causal_attention
+from fcp.ops.elementwise_scan import elementwise_scan
 from fcp.ops.conv import short_conv
 from fcp.ops.gla import gla
 from fcp.ops.index_attention import index_attention
 from fcp.ops.kda import kda
 from fcp.ops.kpool_indexer import kpool_indexer
 from fcp.ops.latent_attention import latent_attention
+from fcp.ops.mlstm import mlstm_stabilizer
 from fcp.ops.pooled_attention import gated_pools, pool_select, pooled_window_attention
 from fcp.ops.qsa_indexer import qsa_indexer
 from fcp.ops.relative_attention import relative_attention
 from fcp.ops.sliding_window import sliding_window_attention
 from fcp.ops.token_history import token_history
 from fcp.ops.token_lags import token_lags
+from fcp.ops.wkv import wkv
 from fcp.ops.token_indexer import token_indexer
 from fcp import loss
 
@@ -64,6 +67,7 @@ __all__ = [
     "doc_ids_from_cu_seqlens",
     "doc_ids_from_seq_lens",
     "document_starts",
+    "elementwise_scan",
     "gated_pools",
     "gather_sequence",
     "gla",
@@ -73,6 +77,7 @@ __all__ = [
     "latent_attention",
     "left_halo",
     "loss",
+    "mlstm_stabilizer",
     "lengths_from_doc_ids",
     "packed_boundaries_from_seq_lens",
     "pool_select",
@@ -91,6 +96,7 @@ __all__ = [
     "token_lags",
     "validate_doc_ids",
     "validate_right_tail_mask",
+    "wkv",
 ]
 
 

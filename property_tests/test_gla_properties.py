@@ -7,6 +7,8 @@ gloo groups, 1-4 ranks).
   tensor, fp32; the two differ only in fp32 rounding).
 * The ``"fla"`` backend's CP composition (on the ops' CPU test doubles) == the reference, 2e-5.
 * Single process == the per-token reference (:func:`fcp.ops.gla.gla_reference`) in fp64, 1e-10.
+* A decay per key dimension (``a [B, L, H, K]``, up to -12 per token): CP == single process and
+  single process == the fp64 reference, as above.
 * No leakage: replacing every token of one document (or of the pad tail) leaves every other
   output bitwise unchanged (``torch.equal``), with and without CP.
 
@@ -42,6 +44,18 @@ def problem(draw, max_world: int = 4):
     doc_ids = draw(length_rows(batch, world * local))
     seed = draw(st.integers(0, 2**16))
     return world, chunk, doc_ids, make_inputs(batch, world * local, groups, heads, dk, dv, seed)
+
+
+@st.composite
+def keyed_problem(draw, max_world: int = 4):
+    """:func:`problem` with a decay per key dimension (``a [B, L, H, K]``), strong or mild."""
+    world, chunk, doc_ids, inputs = draw(problem(max_world))
+    batch, seq, heads = inputs["a"].shape
+    groups, dk = inputs["q"].shape[2:]
+    dv = inputs["v"].shape[3]
+    seed, strength = draw(st.integers(0, 2**16)), draw(st.sampled_from([1.0, 12.0]))
+    return world, chunk, doc_ids, fns.make_keyed_inputs(batch, seq, groups, heads, dk, dv, seed,
+                                                        strength=strength)  # fmt: skip
 
 
 def _single(inputs, doc_ids, chunk, grad_out, fn=None):
@@ -101,3 +115,23 @@ def test_other_documents_bitwise_unchanged(rank_pool, prob, data):
     perturbed = {n: torch.where(mask[n], noise[n], x) for n, x in inputs.items()}
     clean, dirty = zip(*rank_pool.run(fns.gla_leak, world, inputs, perturbed, doc_ids, chunk))
     assert torch.equal(torch.cat(clean, 1)[~inside], torch.cat(dirty, 1)[~inside])
+
+
+@settings(max_examples=15, deadline=None)
+@given(keyed_problem())
+def test_keyed_cp_equals_single_process(rank_pool, prob):
+    """A decay per key dimension: CP == one process (2e-5), with decays up to -12 per token."""
+    world, chunk, doc_ids, inputs = prob
+    grad_out = torch.randn(*inputs["v"].shape, generator=torch.Generator().manual_seed(3))
+    results = rank_pool.run(fns.gla_fwd_bwd, world, inputs, doc_ids, grad_out, chunk)
+    _assert_cp_equals(results, *_single(inputs, doc_ids, chunk, grad_out))
+
+
+@settings(max_examples=10, deadline=None)
+@given(keyed_problem(max_world=1))
+def test_keyed_single_process_equals_reference_fp64(prob):
+    _, chunk, doc_ids, inputs = prob
+    inputs = {n: x.double() for n, x in inputs.items()}
+    ctx = PackedContext(doc_ids)
+    out = gla(*(inputs[n] for n in NAMES), ctx, chunk_size=chunk)
+    assert rel_err(out, gla_reference(*(inputs[n] for n in NAMES), ctx)) <= 1e-10

@@ -14,6 +14,13 @@ import tests.support.fla_cpu_kernels  # noqa: F401  (CPU kernels of the fcp::fla
 from fcp.context import PackedContext
 from fcp.ops.gla import gla
 from fcp.ops.gla.fla import gla_fla_static
+from fcp.ops.gla.fla_keyed import gla_keyed_fla_static
+from tests.support.fla_cpu_kernels import _gla_bwd, _gla_fwd, _opaque
+
+# CPU doubles of the per-key ops: the scalar ops' doubles, whose reference recurrence takes a
+# decay per key as well
+for _name, _fn in (("fcp::fla_gla_keyed_fwd", _gla_fwd), ("fcp::fla_gla_keyed_bwd", _gla_bwd)):
+    torch.library.register_kernel(_name, "cpu", _opaque(_fn))
 
 NAMES = ("q", "k", "v", "a")
 
@@ -32,6 +39,16 @@ def make_inputs(batch, seq, groups, heads, dk, dv, seed, dtype=torch.float32) ->
     return {n: x.to(dtype) for n, x in out.items()}
 
 
+def make_keyed_inputs(batch, seq, groups, heads, dk, dv, seed, dtype=torch.float32,
+                      strength: float = 4.0) -> dict:  # fmt: skip
+    """:func:`make_inputs` with a decay per key dimension: ``a [batch, seq, heads, dk]`` in
+    ``[-strength, 0]`` (mostly small; ``strength`` 12: many entries below -8)."""
+    out = make_inputs(batch, seq, groups, heads, dk, dv, seed, torch.float64)
+    gen = torch.Generator().manual_seed(seed + 1)
+    a = -strength * torch.rand(batch, seq, heads, dk, generator=gen, dtype=torch.float64) ** 3
+    return {n: x.to(dtype) for n, x in dict(out, a=a).items()}
+
+
 def _rank_context(env, doc_ids: torch.Tensor) -> PackedContext:
     return PackedContext(doc_ids, group=env.group, cp_size=env.world_size, cp_rank=env.rank)
 
@@ -43,8 +60,10 @@ def gla_fwd_bwd(env, inputs: dict, doc_ids, grad_out, chunk_size: int, compiled=
     ctx = _rank_context(env, doc_ids)
     xs = {n: ctx.shard(inputs[n]).clone().requires_grad_() for n in NAMES}
     if static_fla:
+        static = gla_keyed_fla_static if inputs["a"].dim() == 4 else gla_fla_static
+
         def fn(*args, chunk_size):
-            return gla_fla_static(*args, chunk_size=chunk_size)
+            return static(*args, chunk_size=chunk_size)
     else:
         fn = gla
     if compiled:

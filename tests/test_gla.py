@@ -223,7 +223,7 @@ def test_input_validation():
     with pytest.raises(ValueError, match="local_seq_len"):
         gla(q, k, v, a, PackedContext(torch.ones(1, 9, dtype=torch.long)))
     with pytest.raises(ValueError, match="one decay per head"):
-        gla(q, k, v, a[..., None].expand(-1, -1, -1, 4), ctx)
+        gla(q, k, v, a[..., None].expand(-1, -1, -1, 3), ctx)  # K is 4
     with pytest.raises(ValueError, match="equal shapes"):
         gla(q, k[..., :2], v, a, ctx)
     with pytest.raises(ValueError, match="power of two"):

@@ -8,6 +8,8 @@ pad tail, at Mamba2-like head shapes (2 groups, 8 heads, K = d_state = 128, V = 
   resets) in bf16 and fp32 against the exact ``"chunked"`` backend run in fp32 on the same
   device: output and the gradients of q, k, v, a;
 * the ``"chunked"`` backend on CUDA against the per-token reference (fp32, small);
+* the per-key ``"fla"`` backend (``a [B, L, H, K]``, FLA's ``chunk_gla`` kernels) against the
+  ``"chunked"`` backend, bf16 and fp32;
 * a ``torch.compile(mode="reduce-overhead")`` training step of a small Mamba2-like block on the
   ``"fla"`` backend: CUDA graphs captured once, replayed for three packings without recompiling,
   each step equal to eager.
@@ -64,6 +66,22 @@ def test_chunked_on_cuda_matches_reference():
                                    torch.float64, grad_out)  # fmt: skip
     errs = [rel_err(out, ref)] + [rel_err(grads[n], ref_grads[n]) for n in NAMES]
     assert max(errs) <= 1e-4, errs  # fp32 on the GPU (TF32 off by default for matmuls)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fla_backend_with_a_decay_per_key_matches_chunked(dtype):
+    """The per-key ``"fla"`` backend (FLA's ``chunk_gla`` kernels, decay resets) against the
+    exact ``"chunked"`` backend in fp32 on the same device, GLA-like heads (K = V = 64)."""
+    from tests._gla_rank_fns import make_keyed_inputs
+
+    doc = packed_rows(512, seed=3).cuda()
+    ctx = PackedContext(doc)
+    inputs = {n: x.cuda() for n, x in make_keyed_inputs(2, 512, 2, 4, 64, 64, seed=4).items()}
+    grad_out = torch.randn(2, 512, 4, 64, device="cuda")
+    errs = errors(lambda *xs: gla(*xs, ctx, backend="fla"), lambda *xs: gla(*xs, ctx), inputs,
+                  NAMES, dtype, grad_out)  # fmt: skip
+    print(f"\n[gla-gpu] keyed fla {dtype} vs chunked fp32: {errs}")
+    assert_within(errs, dtype)
 
 
 class Mamba2Like(torch.nn.Module):

@@ -112,7 +112,9 @@ def test_an_unknown_model_is_refused_naming_the_supported_ones(wrapped):
     # tests/test_hf_registry.py)
     for name, family in FAMILIES.items():
         line = re.search(rf"^  {name} \(.*\): (.*)$", str(error.value), re.MULTILINE)
-        assert line and set(line.group(1).split(", ")) == set(family.mixers), (name, line)
+        # the registry row may also adapt a model class (Mamba's *ForCausalLM, which drops the
+        # context otherwise): the battery's kinds are among its classes
+        assert line and set(family.mixers) <= set(line.group(1).split(", ")), (name, line)
 
 
 @pytest.mark.parametrize("family", NAMES)
@@ -124,9 +126,9 @@ def test_causal_lm_wrapper(family):
 
     backbone = enable_packed_cp(build(family, FAMILIES[family].config))
     lm = getattr(transformers, FAMILIES[family].causal_lm)(backbone.config)
-    lm.model.load_state_dict(backbone.state_dict())
+    lm.base_model.load_state_dict(backbone.state_dict())  # .model, or .backbone (Mamba)
     enable_packed_cp(lm)
-    assert [type(m) for m in lm.model.modules()] == [type(m) for m in backbone.modules()]
+    assert [type(m) for m in lm.base_model.modules()] == [type(m) for m in backbone.modules()]
     batch, _ = fns.pack(documents(), [[5, 1, 3]], 30)
     local, ctx = fcp.shard_batch(None, batch)
     with torch.no_grad():

@@ -8,6 +8,12 @@ guarantees). No operator folder imports another.
 * :mod:`.kda` - :func:`~fcp.ops.kda.kda` (Kimi Delta Attention and Gated DeltaNet);
 * :mod:`.gla` - :func:`~fcp.ops.gla.gla` (gated linear attention with a scalar decay per head:
   Mamba2's SSD);
+* :mod:`.elementwise_scan` - :func:`~fcp.ops.elementwise_scan.elementwise_scan` (the diagonal
+  linear recurrence ``h = a h + x`` per channel: RecurrentGemma's RG-LRU);
+* :mod:`.wkv` - :func:`~fcp.ops.wkv.wkv` (RWKV-4's WKV: two decayed sums with a bonus, their
+  stabiliser carried as a running max); :mod:`.mlstm` -
+  :func:`~fcp.ops.mlstm.mlstm_stabilizer` (xLSTM's mLSTM max stabiliser across documents and
+  ranks; its memory is :func:`~fcp.ops.gla.gla`);
 * :mod:`.doc_causal` - :func:`~fcp.ops.doc_causal.doc_causal_attention` (softmax attention
   causal within each document);
 * :mod:`.sliding_window` - :func:`~fcp.ops.sliding_window.sliding_window_attention` (the same

@@ -30,10 +30,17 @@ from fcp.integrations.hf import (
     SsdMixer,
 )
 from fcp.integrations.hf.families.deepseek_v4 import DeepseekV4AttentionAdapter
+from fcp.integrations.hf.mixers import Mamba1Mixer
+from fcp.integrations.hf.mixers import LightningMixer
+from fcp.integrations.hf.mixers.rglru import RglruMixer
 from tests.support.hf_packings import document_packings
 from tests.support.hf_reference import (
     BAILING_HYBRID_TINY,
     DEEPSEEK_V4_TINY,
+    FALCON_MAMBA_TINY,
+    JAMBA_TINY,
+    MAMBA_TINY,
+    ZAMBA_TINY,
     BAMBA_TINY,
     FALCON_H1_TINY,
     GEMMA2_TINY,
@@ -49,13 +56,17 @@ from tests.support.hf_reference import (
     LFM2_MOE_TINY,
     LFM2_TINY,
     LFM3_TINY,
+    MAMBA2_TINY,
+    MINIMAX_TINY,
     NEMOTRON_H_TINY,
     OLMO_HYBRID_TINY,
     QWEN3_5_MOE_TINY,
     QWEN3_5_TINY,
     QWEN3_NEXT_TINY,
+    ZAMBA2_TINY,
     ZAYA_TINY,
 )
+from tests.support.hf_reference import RECURRENT_GEMMA_TINY
 
 HIDDEN = 32
 #: the shared pool of documents: shorter than the conv width (1, 2, 3), around a chunk of a
@@ -81,6 +92,24 @@ def _gdn(prefix: str) -> dict:
 
 
 FAMILIES = {
+    # Mamba1 (selective scan as per-key gated linear attention); their blocks and models hand
+    # the context down (transformers' drop **kwargs): no kind of their own. Their compiled
+    # mixers: tests/test_hf_mamba1.py
+    "mamba": Family(MAMBA_TINY, {"MambaMixer": Mamba1Mixer, "MambaBlock": FcpMixer,
+                                 "MambaModel": FcpMixer}, "MambaForCausalLM", examples=2,
+                    compile_steps=0),
+    "falcon_mamba": Family(FALCON_MAMBA_TINY, {"FalconMambaMixer": Mamba1Mixer,
+                                               "FalconMambaBlock": FcpMixer,
+                                               "FalconMambaModel": FcpMixer},
+                           "FalconMambaForCausalLM", examples=2, compile_steps=0),
+    # Jamba: Mamba1 with dt/B/C norms (its decoder layer hands the context down), NoPE GQA, MoE
+    "jamba": Family(JAMBA_TINY, {"JambaMambaMixer": Mamba1Mixer,
+                                 "JambaMambaDecoderLayer": FcpMixer, "JambaAttention": GqaMixer},
+                    "JambaForCausalLM", examples=2, compile_steps=0),
+    # Zamba: multi-head Mamba1 + one shared NoPE attention block (Mamba1 compiled:
+    # tests/test_hf_mamba1.py)
+    "zamba": Family(ZAMBA_TINY, {"ZambaMambaMixer": Mamba1Mixer, "ZambaAttention": GqaMixer},
+                    "ZambaForCausalLM", examples=2, compile_steps=0),
     # KDA + MLA; Gated DeltaNet + gated GQA (their whole models compile: test_hf_kimi_qwen3next)
     "kimi_linear": Family(KIMI_TINY, {"KimiLinearAttention": MlaMixer,
                                       "KimiLinearDeltaAttention": KdaMixer},
@@ -154,6 +183,22 @@ FAMILIES = {
     # (GLM-5; its full and shared layers compile to separate graphs: tests/test_hf_glm5_dsa.py)
     "glm_moe_dsa": Family(GLM_MOE_DSA_TINY, {"GlmMoeDsaAttention": IndexedMlaMixer},
                           "GlmMoeDsaForCausalLM", examples=2, compile_steps=0),
+    # Mamba2 alone; Zamba2: Mamba2 + shared attention blocks with per-use LoRA adapters (its
+    # attention compiles to one graph per hybrid layer, the adapter chosen by layer_idx:
+    # tests/test_hf_mamba2_zamba2_minimax.py); MiniMax: lightning attention (GLA with a
+    # constant per-head decay) + GQA
+    "mamba2": Family(MAMBA2_TINY, {"Mamba2Mixer": SsdMixer}, "Mamba2ForCausalLM", examples=2,
+                     compile_steps=3),
+    "zamba2": Family(ZAMBA2_TINY, {"Zamba2Attention": GqaMixer, "Zamba2MambaMixer": SsdMixer},
+                     "Zamba2ForCausalLM", examples=2, compile_steps=0),
+    "minimax": Family(MINIMAX_TINY, {"MiniMaxAttention": GqaMixer,
+                                     "MiniMaxLightningAttention": LightningMixer},
+                      "MiniMaxForCausalLM", examples=2, compile_steps=3),
+    # Griffin: short conv + RG-LRU (an elementwise scan) recurrent blocks beside local attention
+    # with partial RoPE (RecurrentGemma)
+    "recurrent_gemma": Family(RECURRENT_GEMMA_TINY, {"RecurrentGemmaAttention": GqaMixer,
+                                                     "RecurrentGemmaRecurrentBlock": RglruMixer},
+                              "RecurrentGemmaForCausalLM", examples=2, compile_steps=3),
 }  # fmt: skip
 
 #: configuration variants that take other branches of the adapters: Falcon-H1 without its gated
@@ -164,7 +209,12 @@ VARIANTS = {"falcon_h1_no_norm": ("falcon_h1", dict(FALCON_H1_TINY, mamba_rms_no
                              dict(GRANITE_HYBRID_TINY, position_embedding_type=None)),
             # LFM3 without its per-head output gate, sandwich norms or conv biases
             "lfm3_no_gate": ("lfm3", dict(LFM3_TINY, use_attention_gate=False,
-                                          use_sandwich_norm=False, conv_bias=False))}  # fmt: skip
+                                          use_sandwich_norm=False, conv_bias=False)),
+            # Zamba2 without adapters or RoPE, with GQA (2 kv heads: adapters need 4); MiniMax
+            # with a sliding window on its softmax layers
+            "zamba2_plain": ("zamba2", dict(ZAMBA2_TINY, use_shared_attention_adapter=False,
+                                            use_mem_rope=False, num_key_value_heads=2)),
+            "minimax_swa": ("minimax", dict(MINIMAX_TINY, sliding_window=5))}  # fmt: skip
 
 
 def references() -> dict:

@@ -80,12 +80,25 @@ LFM3_TINY = _tiny("lfm3")
 LARA_MINI_TINY = _tiny("lara_mini")
 GLM_MOE_DSA_TINY = _tiny("glm_moe_dsa")
 DEEPSEEK_V4_TINY = _tiny("deepseek_v4")
+MAMBA_TINY = _tiny("mamba")
+FALCON_MAMBA_TINY = _tiny("falcon_mamba")
+JAMBA_TINY = _tiny("jamba")
+ZAMBA_TINY = _tiny("zamba")
+RECURRENT_GEMMA_TINY = _tiny("recurrent_gemma")
+MAMBA2_TINY = _tiny("mamba2")
+ZAMBA2_TINY = _tiny("zamba2")
+MINIMAX_TINY = _tiny("minimax")
 
 #: Parameters whose default initialisation makes terms of the formulas vanish (all-ones gates,
 #: zero positional terms, zero-centred norms): the tests perturb them so every term matters.
 _PERTURB = ("index_kpool_compress", "k_norm", "A_log", "dt_bias", "o_norm", "layernorm",
             "attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale", "conv1d")  # fmt: skip
 _PERTURB_BY_FAMILY = {
+    # Mamba1: A_log (S4D's arange), D (ones), dt_proj (its bias sets dt's range), the norms
+    "mamba": ("A_log", ".D", "dt_proj", "norm", "conv1d"),
+    "falcon_mamba": ("A_log", ".D", "dt_proj", "norm", "conv1d"),
+    "jamba": ("A_log", ".D", "dt_proj", "norm", "conv1d"),
+    "zamba": ("A_log", ".D", "dt_proj", "norm", "conv1d"),
     "glm5_next": _PERTURB,
     "kimi_linear": ("A_log", "dt_bias", "o_norm", "layernorm", "conv1d"),
     "qwen3_next": ("A_log", "dt_bias", "norm", "conv1d"),
@@ -124,6 +137,18 @@ _PERTURB_BY_FAMILY = {
     # constant bases and scales
     "deepseek_v4": ("sinks", "position_bias", "norm", "hc.base", "hc.scale", "hc_base",
                     "hc_scale"),
+    # RWKV-4: its time-mix, decay and bonus vectors (a fixed ramp), the LayerNorms; xLSTM: its
+    # norms (ones) and the gates (zero weights, constant biases at init)
+    "rwkv": ("time_", "ln"),
+    "xlstm": ("norm", "gate_preact"),
+    # RecurrentGemma: zero-centred norms (1 + w), zero biases (the RG-LRU's gates, the branches,
+    # conv_1d, o_proj, the MLPs), the recurrence parameter (decays: softplus of it)
+    "recurrent_gemma": ("norm", "bias", "recurrent_param"),
+    # Mamba2 and Zamba2 (Mamba2 layers; Zamba2's shared blocks: norms); MiniMax: its norms (the
+    # lightning layers' slopes are a buffer, constant per head)
+    "mamba2": ("A_log", "dt_bias", ".D", "norm", "conv1d"),
+    "zamba2": ("A_log", "dt_bias", ".D", "norm", "conv1d"),
+    "minimax": ("norm",),
 }
 
 

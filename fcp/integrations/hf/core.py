@@ -73,6 +73,10 @@ class NoMasks(dict):
     ``attention_mask`` under a ``cp_context``, it keeps a model from building masks that fcp's
     mixers never read (transformers' text models take a ready mapping as it is)."""
 
+    #: transformers' recurrent models ask a mask for its rank (``create_recurrent_attention_mask``
+    #: keeps only a 2-D one): no rank of 2, so none is made
+    ndim = 0
+
     def __missing__(self, key):
         return None
 

@@ -17,8 +17,11 @@ flags a module when
   ``Qwen3NextGatedDeltaNet``, ``Lfm2ShortConv``, ``RecurrentGemmaRecurrentBlock``, ...; a
   decoder layer, ``...AttentionDecoderLayer``, is not: it holds its mixer);
 * or it holds attention projections (:data:`QKV_PROJECTIONS`: ``q_proj`` and ``k_proj``,
-  ``query`` and ``key``, or a fused ``qkv_proj`` / ``query_key_value`` / ``Wqkv`` / ``c_attn`` /
-  ``qkv``), whatever its class is called.
+  ``query`` and ``key``, ``q`` and ``k`` (xLSTM's mLSTM layer), or a fused ``qkv_proj`` /
+  ``query_key_value`` / ``Wqkv`` / ``c_attn`` / ``qkv``), whatever its class is called;
+* or it is a token shift: an ``nn.ZeroPad2d`` / ``nn.ConstantPad2d`` that pads or crops the
+  second-to-last axis (the sequence of ``[B, L, D]`` hidden states; RWKV's ``time_shift``,
+  ``ZeroPad2d((0, 0, 1, -1))``, in its time- and channel-mixing layers).
 
 :func:`unreplaced` walks the model from the top and reports the outermost flagged modules (a
 flagged module's own submodules are part of it). A module that holds fcp mixers is a container
@@ -52,8 +55,8 @@ MIXER_SUFFIXES = ("Attention", "Mixer", "Mamba", "MambaLayer", "DeltaNet", "Shor
                   "RecurrentBlock", "Recurrence", "Retention", "RNN", "LSTM", "GRU")  # fmt: skip
 
 #: Child names that make a module an attention: all of one tuple present.
-QKV_PROJECTIONS = (("q_proj", "k_proj"), ("query", "key"), ("qkv_proj",), ("query_key_value",),
-                   ("Wqkv",), ("c_attn",), ("qkv",))  # fmt: skip
+QKV_PROJECTIONS = (("q_proj", "k_proj"), ("query", "key"), ("q", "k"), ("qkv_proj",),
+                   ("query_key_value",), ("Wqkv",), ("c_attn",), ("qkv",))  # fmt: skip
 
 _NAMED_MIXER = re.compile(rf"({'|'.join(MIXER_SUFFIXES)})\d*$")
 #: media a cp_context refuses (:data:`~fcp.integrations.hf.core.MULTIMODAL_INPUTS`)
@@ -67,6 +70,8 @@ def mixes_tokens(module: nn.Module) -> bool:
         return True
     if isinstance(module, nn.Conv1d):
         return module.kernel_size != (1,) or module.stride != (1,)
+    if isinstance(module, (nn.ZeroPad2d, nn.ConstantPad2d)):
+        return any(module.padding[2:])  # (left, right, top, bottom): top/bottom shift the tokens
     if any(_NAMED_MIXER.search(cls.__name__) for cls in type(module).__mro__):
         return True
     children = dict(module.named_children())

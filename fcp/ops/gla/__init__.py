@@ -1,9 +1,11 @@
-"""Gated linear attention with a scalar decay per head (Mamba2's SSD) over packed documents,
-exact under contiguous CP.
+"""Gated linear attention over packed documents, exact under contiguous CP: a scalar decay per
+head (Mamba2's SSD) or a decay per key dimension (GLA proper, Mamba1's selective scan).
 
 * :mod:`.reference` - the definition (per-token recurrence; tests only);
 * :mod:`.chunked` - the exact static-shape PyTorch path (``backend="chunked"``, the default);
-* :mod:`.fla` - FLA's scalar-gate chunk kernels as custom ops (``backend="fla"``, CUDA).
+* :mod:`.keyed` - its form for a decay per key dimension (``a [B, L, H, K]``);
+* :mod:`.fla` - FLA's scalar-gate chunk kernels as custom ops (``backend="fla"``, CUDA);
+* :mod:`.fla_keyed` - FLA's per-key-gate ``chunk_gla`` kernels, likewise (``a [B, L, H, K]``).
 
 :func:`gla` is the only dispatcher.
 """
@@ -15,6 +17,7 @@ import torch
 from fcp.checks import check_power_of_two, check_tensor
 from fcp.context import PackedContext, check_context
 from fcp.ops.gla.chunked import gla_chunked
+from fcp.ops.gla.keyed import gla_keyed_chunked
 from fcp.ops.kit.common import (
     autocast_off,
     choose_backend,
@@ -25,9 +28,9 @@ from fcp.ops.kit.common import (
 
 __all__ = ["BACKENDS", "check_gla_inputs", "gla"]
 
-#: ``"chunked"``: exact PyTorch, every device. ``"fla"``: FLA's dense ``simple_gla`` kernels with
-#: decay resets at document starts (CUDA, compile and CUDA-graph safe, not bitwise
-#: document-independent).
+#: ``"chunked"``: exact PyTorch, every device. ``"fla"``: FLA's dense ``simple_gla`` kernels (a
+#: decay per head) or ``chunk_gla`` kernels (per key) with decay resets at document starts (CUDA,
+#: compile and CUDA-graph safe, not bitwise document-independent).
 BACKENDS = ("chunked", "fla")
 
 
@@ -46,8 +49,9 @@ def check_gla_inputs(q, k, v, a, local_len: int | None, batch: int | None) -> No
     heads = v.shape[2]
     if groups == 0 or heads % groups:
         raise ValueError(f"gla: heads={heads} must be a multiple of groups={groups} (GQA)")
-    if a.shape != (b, t, heads):
-        raise ValueError(f"gla: a must be [{b}, {t}, {heads}] (one decay per head), got "
+    if a.shape not in ((b, t, heads), (b, t, heads, q.shape[3])):
+        raise ValueError(f"gla: a must be [{b}, {t}, {heads}] (one decay per head) or "
+                         f"[{b}, {t}, {heads}, {q.shape[3]}] (one per key dimension), got "
                          f"{tuple(a.shape)}")  # fmt: skip
     if local_len is not None and t != local_len:
         raise ValueError(f"gla: seq={t} != ctx.local_seq_len={local_len}")
@@ -58,17 +62,21 @@ def check_gla_inputs(q, k, v, a, local_len: int | None, batch: int | None) -> No
 def gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
         ctx: PackedContext, scale: float | None = None, chunk_size: int = 64, *,
         backend: str = "auto") -> torch.Tensor:
-    """Gated linear attention with one decay per head on this rank's shard of a packed batch.
+    """Gated linear attention with one decay per head, or per key dimension, on this rank's
+    shard of a packed batch.
 
     Per head ``h``, a ``[K, V]`` state restarted at zero at every document start::
 
         S_t = exp(a_t) S_{t-1} + k_t v_t^T,      o_t = scale * S_t^T q_t
 
+    (``a_t`` a scalar per head, or ``diag(exp(a_t))`` with ``a_t`` a vector over K.)
+
     Args:
         q, k: ``[batch, local_seq, groups, K]``; head ``h`` reads group ``h // (heads //
             groups)`` (GQA, Mamba2's ``n_groups`` for C and B; pass them un-repeated).
         v: ``[batch, local_seq, heads, V]``; ``heads`` a multiple of ``groups``.
-        a: ``[batch, local_seq, heads]``, natural-log decay applied before each token's update,
+        a: ``[batch, local_seq, heads]`` or ``[batch, local_seq, heads, K]`` (a decay per key
+            dimension), natural-log decay applied before each token's update,
             expected ``<= 0`` (no overflow whatever the decay: every exponent formed is a sum of
             ``a``'s, so ``<= 0``; tested with 0, -8 and -40 per token). A positive ``a`` is
             computed as written and may overflow.
@@ -118,7 +126,7 @@ def gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
     scale = default_scale(q.shape[-1], scale)
     q, k, v, a = (finite_or_zero(t) for t in (q, k, v, a))
     if backend == "chunked":
-        run = gla_chunked
+        run = gla_keyed_chunked if a.dim() == 4 else gla_chunked
     else:
         from fcp.ops.gla import fla  # imported on use: a CUDA-only path
 
@@ -129,7 +137,12 @@ def gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                 f"gla: backend={backend!r} needs chunk_size in {fla.FLA_CHUNK_SIZES}, got "
                 f"{chunk_size}"
             )
-        run = fla.gla_fla_static
+        if a.dim() == 4:
+            from fcp.ops.gla import fla_keyed
+
+            run = fla_keyed.gla_keyed_fla_static
+        else:
+            run = fla.gla_fla_static
     with autocast_off(q.device):
         out = run(q, k, v, a, ctx, scale, chunk_size)
     return zero_nonfinite_grad(out)

@@ -6,6 +6,9 @@ Per head ``h``, with a ``[K, V]`` state ``S`` that restarts at zero at every doc
     S_t = exp(a_t) S_{t-1} + k_t v_t^T          # decay, then add (no delta rule)
     o_t = scale * S_t^T q_t
 
+or, with a decay per key dimension (``a [B, T, H, K]``: GLA proper, Mamba1's selective scan),
+``S_t = diag(exp(a_t)) S_{t-1} + k_t v_t^T``
+
 where head ``h`` reads the query/key group ``h // (heads // groups)``. This is Mamba2's SSD (state
 space duality) with ``q = C``, ``k = B``, ``v = dt * x``, ``a = dt * A`` and ``scale = 1``, and
 FLA's ``chunk_simple_gla`` with ``g = a``. Every backend of :func:`fcp.ops.gla.gla` computes
@@ -30,10 +33,14 @@ def gla_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.T
                    scale: float, starts: torch.Tensor | None = None,
                    initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o [B, T, H, V], final state [B, H, K, V])`` of ``S = exp(a_t) S + k_t v_t^T`` from
-    ``q, k [B, T, G, K]``, ``v [B, T, H, V]``, ``a [B, T, H]``; resets at ``starts``, an optional
+    ``q, k [B, T, G, K]``, ``v [B, T, H, V]``, ``a [B, T, H]`` (or ``[B, T, H, K]``: ``S =
+    diag(exp(a_t)) S + k_t v_t^T``, a decay per key dimension); resets at ``starts``, an optional
     ``initial_state``, the compute dtype: :func:`~fcp.ops.kit.loops.linear_recurrence`."""
     def step(state, k_t, v_t, a_t):
-        return state * a_t[..., None, None].exp() + k_t[..., :, None] * v_t[..., None, :]
+        decay = a_t[..., None].exp() if keyed else a_t[..., None, None].exp()
+        return state * decay + k_t[..., :, None] * v_t[..., None, :]
+
+    keyed = a.dim() == 4  # one decay per key dimension: [B, T, H, K]
 
     return linear_recurrence(q, k, v, (a,), scale, step, starts, initial_state)
 

@@ -1,8 +1,10 @@
 """The Mamba2 hybrids on fcp: Nemotron-H (``nemotron_h``), Granite 4.0-H
-(``granitemoehybrid``), Falcon-H1 (``falcon_h1``) and Bamba (``bamba``), one row each.
+(``granitemoehybrid``), Falcon-H1 (``falcon_h1``) and Bamba (``bamba``), one row each, and Mamba2
+itself (``mamba2``: ``Mamba2Mixer`` layers only).
 
 Their Mamba2 layers are one code (transformers' ``mamba2_chunk_scan`` and the mixer around it
-are the same lines in all four; their configs name the sizes differently, the modules the same):
+are the same lines in all five, gated norm included; their configs name the sizes differently,
+the modules the same):
 :class:`~..mixers.mamba2.SsdMixer` as it is, except Falcon-H1's muP multipliers on the
 in-projection (``ssm_in_multiplier`` before it, the ``mup_vector`` buffer after it) and its
 optional gated norm (without ``mamba_rms_norm``: ``y * silu(z)``); Nemotron-H's own
@@ -130,6 +132,14 @@ _ROWS = (("nemotron_h", "Nemotron-H", "NemotronH", "NemotronHMamba2Mixer", SsdMi
          ("falcon_h1", "Falcon-H1", "FalconH1", "FalconH1Mixer", FalconH1SsdAdapter,
           FalconH1AttentionAdapter, _FALCON_H1_TINY),
          ("bamba", "Bamba", "Bamba", "BambaMixer", SsdMixer, GqaMixer, _BAMBA_TINY))  # fmt: skip
-FAMILIES = tuple(Family.of(name, title, f"{prefix}Model", config, _CROSSES,
-                           **{mamba: ssd, f"{prefix}Attention": attention})
-                 for name, title, prefix, mamba, ssd, attention, config in _ROWS)  # fmt: skip
+#: Mamba2 alone: two layers of 4 heads of 16, 2 groups, state 8, conv 4, chunks of 8 tokens
+_MAMBA2_TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+                    expand=2, n_groups=2, state_size=8, conv_kernel=4, chunk_size=8,
+                    pad_token_id=0)  # fmt: skip
+
+FAMILIES = (*(Family.of(name, title, f"{prefix}Model", config, _CROSSES,
+                        **{mamba: ssd, f"{prefix}Attention": attention})
+              for name, title, prefix, mamba, ssd, attention, config in _ROWS),
+            Family.of("mamba2", "Mamba2", "Mamba2Model", _MAMBA2_TINY,
+                      "a `W - 1`-token halo of its conv over `[x, B, C]` and one fp32 state-chain "
+                      "all-gather `[B, H, N, N + P]`", Mamba2Mixer=SsdMixer))  # fmt: skip

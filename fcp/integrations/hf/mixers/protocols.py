@@ -23,8 +23,9 @@ from torch import nn
 
 from fcp.context import PackedContext
 
-__all__ = ["GdnSteps", "GqaSteps", "IndexedMlaSteps", "KdaSteps", "MixerSteps", "MlaSteps",
-           "PleSteps", "QsaSteps", "ShortConvSteps", "SsdSteps"]  # fmt: skip
+__all__ = ["GdnSteps", "GqaSteps", "IndexedMlaSteps", "KdaSteps", "LightningSteps", "Mamba1Steps",
+           "MixerSteps", "MlaSteps", "PleSteps", "QsaSteps", "RglruSteps", "ShortConvSteps",
+           "SsdSteps", "TokenShiftFfnSteps", "WkvSteps", "MlstmSteps"]  # fmt: skip
 
 
 class MixerSteps(Protocol):
@@ -133,6 +134,42 @@ class SsdSteps(MixerSteps, Protocol):
         ``dtype``."""
 
 
+class LightningSteps(MixerSteps, Protocol):
+    """Lightning attention: linear attention with a constant per-head decay (:mod:`.lightning`)."""
+
+    def fcp_lightning_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [B, L, D]`` -> ``(q, k, v)``, each ``[B, L, H, Dh]``."""
+
+    def fcp_slopes(self) -> torch.Tensor:
+        """``[H]`` fp32: each head's decay rate ``s_h >= 0`` (the state decays by ``exp(-s_h)``
+        per token)."""
+
+    def fcp_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """As :meth:`KdaSteps.fcp_output`: ``o [B, L, H, V]``, ``x [B, L, D]`` -> ``[B, L, D]``."""
+
+
+class Mamba1Steps(MixerSteps, Protocol):
+    """Mamba1's selective scan (:mod:`.mamba1`)."""
+
+    def fcp_project(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, L, D]`` -> ``[B, L, 2 * intermediate_size]``: ``[x | z]``."""
+
+    def fcp_ssm_norms(self, dt: torch.Tensor, b: torch.Tensor,
+                      c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x_proj``'s ``dt [B, L, time_step_rank]``, ``B``, ``C [B, L, ssm_state_size]`` ->
+        the same, as the scan reads them (normalised or not)."""
+
+    def fcp_ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [B, L, I]`` (after the conv) -> ``(dt [B, L, I]`` before its bias and softplus,
+        ``B``, ``C [B, L, G, N])`` (``G`` groups of channels, each with its own B and C)."""
+
+    def fcp_ssm_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(A [I, N]`` fp32 (``-exp(A_log)``), ``D [I]``, the dt bias ``[I]`` or ``None)``."""
+
+    def fcp_chunk_size(self) -> int:
+        """The chunk size of fcp's scan (rounding only)."""
+
+
 class ShortConvSteps(MixerSteps, Protocol):
     """LFM2's gated short conv (:mod:`.short_conv`): no step besides ``fcp_forward``."""
 
@@ -173,3 +210,39 @@ class PleSteps(MixerSteps, Protocol):
 
     def fcp_ngram_ids(self, input_ids: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         """``input_ids [B, L]`` -> int64 ``[B, L, ngram_heads]`` rows of the hashed table."""
+
+
+class RglruSteps(MixerSteps, Protocol):
+    """Griffin's recurrent block: short conv + RG-LRU (:mod:`.rglru`)."""
+
+    def fcp_branches(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [B, L, D]`` -> ``(x [B, L, W], y [B, L, W])``: the recurrence branch (the conv's
+        input) and the output gate branch, its activation applied."""
+
+    def fcp_rglru_inputs(self, x: torch.Tensor,
+                         starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The conv's output ``x [B, L, W]`` and the document starts (bool ``[B, L, 1]``) ->
+        ``(u, a)``, ``[B, L, W]`` each: the scan's input and multiplicative decay
+        (:func:`~fcp.ops.elementwise_scan.elementwise_scan`)."""
+
+    def fcp_rglru_output(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The scan's output ``h [B, L, W]`` and the gate branch ``y [B, L, W]`` ->
+        ``[B, L, D]``."""
+
+
+class WkvSteps(MixerSteps, Protocol):
+    """RWKV-4's time mixing (:mod:`.rwkv`): no step besides ``fcp_forward``, which returns
+    ``(out [B, L, D], None)`` as transformers' layer returns ``(out, state)``."""
+
+
+class TokenShiftFfnSteps(MixerSteps, Protocol):
+    """RWKV-4's channel mixing (:mod:`.rwkv`): no step besides ``fcp_forward`` (as
+    :class:`WkvSteps`)."""
+
+
+class MlstmSteps(MixerSteps, Protocol):
+    """xLSTM's mLSTM (:mod:`.mlstm`)."""
+
+    def fcp_mlstm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [B, L, D]`` -> ``(q, k [B, L, H, K], v [B, L, H, V], o [B, L, H * V],
+        i, f [B, L, H])``: projections, output-gate and soft-capped gate preactivations."""
