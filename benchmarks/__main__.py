@@ -97,6 +97,7 @@ def main(argv=None) -> Path:
         bench_agreement,
         bench_attention,
         bench_comm,
+        bench_diagonal,
         bench_gdn,
         bench_gla,
         bench_glm5_cp,
@@ -150,6 +151,13 @@ def main(argv=None) -> Path:
                   bench_gla.main, ["--repeats", "2" if q else "5", "--lengths",
                                    *(["1024", "4096"] if q else
                                      ["1024", "2048", "4096", "8192", "16384"])])
+    diag_res = run("diagonal recurrences (Mamba1, RG-LRU, WKV, mLSTM) vs transformers; Jamba CP",
+                   "Diagonal recurrences vs transformers' PyTorch paths (CPU); Jamba's Mamba "
+                   "layer CP 2 vs 1 rank", bench_diagonal.main,
+                   ["--repeats", "2" if q else "3", "--lengths", *(["1024"] if q else
+                                                                   ["1024", "4096"]),
+                    "--flat-lengths", *(["1024", "4096"] if q else ["1024", "4096", "16384"]),
+                    "--cp-lengths", "2048" if q else "8192"])  # fmt: skip
     scan_row = run("KDA chunk scan vs loop (includes two cold inductor compiles)",
                    "KDA's chunk recurrence: log-depth scan vs the Python loop", bench_kda_scan.main,
                    ["--repeats", "3" if q else "7", "--compile-lens", "1024",
@@ -269,6 +277,21 @@ def main(argv=None) -> Path:
                 f"{rows[0]['us_per_token']:.0f} / {rows[-1]['us_per_token']:.0f}; "
                 f"{gla_row['lengths']['default'][0]['us_per_token']:.0f} / "
                 f"{gla_row['lengths']['default'][-1]['us_per_token']:.0f} |")
+    for name, res in diag_res["ops"].items():
+        c = max((r for r in res["compare"] if r["speedup"] is not None),
+                key=lambda r: r["tokens"], default=None)
+        f = res["flat"]
+        sizes = "/".join(f"{r['tokens'] // 1024}k" for r in f)
+        times = " / ".join(f"{r['us_per_token']:.1f}" for r in f)
+        if c is not None:
+            head.append(f"| {name} fwd+bwd at {c['tokens']} tokens vs transformers' PyTorch path: "
+                        f"speed-up / output difference | {c['speedup']:.2f}x / "
+                        f"{c['rel_diff']:.0e} |")
+        head.append(f"| {name} (fcp) us per token at {sizes} tokens (flat = linear) | {times} |")
+    for r in diag_res["cp"]:
+        head.append(f"| Jamba Mamba layer {r['tokens']} tokens, CP 2 vs 1 rank: speed-up (wall / "
+                    f"CPU time per rank) / saved-activation ratio | {r['speedup']:.2f}x / "
+                    f"{r['cpu_speedup']:.2f}x / {r['saved_ratio']:.2f}x |")
     for r in sc_rows:
         if r["world"] > 1:
             base = next(b for b in sc_rows if b["tokens"] == r["tokens"] and b["world"] == 1)
