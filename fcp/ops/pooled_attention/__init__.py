@@ -51,6 +51,7 @@ import torch
 
 from fcp.checks import check_choice, check_positive_int
 from fcp.context import PackedContext, check_context
+from fcp.ops.kit.attention import check_sinks_softcap
 from fcp.ops.kit.common import autocast_off, default_scale, finite_or_zero, zero_nonfinite_grad
 from fcp.ops.pooled_attention.dense import (
     gated_pools_dense,
@@ -167,6 +168,7 @@ def pooled_window_attention(q: torch.Tensor, kv: torch.Tensor, pooled: torch.Ten
     if selected is not None and selected.shape[:2] != (batch, local):
         raise ValueError(f"{name}: selected must be [batch, local_seq, k], got "
                          f"{tuple(selected.shape)}")  # fmt: skip
+    sinks, _ = check_sinks_softcap(name, sinks, None, q)  # -> [B, L, H] or None
     scale = default_scale(q.shape[-1], scale)
     chunk = 256 if query_chunk is None else check_positive_int(query_chunk, "query_chunk", fn=name)
     # non-finite values stay in their document (fcp.ops.kit.common): zero probabilities meet

@@ -108,8 +108,7 @@ def pooled_window_attention_dense(q: torch.Tensor, kv: torch.Tensor, pooled: tor
     slots = plan_pools(ctx, ratio).slots  # [B, P] global pool ends, -1: empty
     keys = all_gather_group(pooled.contiguous(), ctx.group_info, 1, validate=False)  # [B, P, D]
     if sinks is not None:
-        sinks = sinks.to(dtype)
-        sinks = sinks.expand(batch, local, heads) if sinks.dim() == 1 else sinks
+        sinks = sinks.to(dtype)  # [B, L, H]: expanded by the dispatcher's check
     qf = q.to(dtype)
     rows = torch.arange(batch, device=q.device)[:, None, None]
     outs = []
