@@ -92,7 +92,7 @@ def pooled_window_attention_dense(q: torch.Tensor, kv: torch.Tensor, pooled: tor
     ``query_chunk`` queries at a time: each chunk scores its window, and either the pools of
     the slots its queries can see (``[first query - band + 1, last query]``: every visible
     pool) or its queries' selected pools."""
-    batch, local, heads, _ = q.shape
+    batch, local = q.shape[:2]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     start, doc, band = ctx.seq_start, ctx.doc_ids, ctx.key_band
     # a key further back than the band is in an earlier document: the window never needs it
