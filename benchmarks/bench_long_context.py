@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.bench_long_context [--lengths 2048 8192 32768 65536]
         [--models glm5 qwen3_next] [--layouts bounded full] [--repeats 3] [--cp-length 16384]
+        [--worlds 1 2 4] [--contiguous]
 
 Models: the demo's GLM-5.3-Flash (:mod:`examples.glm5_hf`: KDA layers and one k-pool DSA
 indexed-MLA layer) and transformers' Qwen3-Next at the tiny size of the tests
@@ -15,7 +16,10 @@ Per case: the slowest rank's median step time per token (wall clock, and the pro
 time, which other load on a shared machine does not inflate), the peak resident memory of each
 rank (``VmHWM`` after ``malloc_trim`` and a reset of the high-water mark; ``step`` = the peak
 above the memory held before the step, ``rss`` = the whole process), the activations each rank
-saves for the backward, and the speed-up of CP 2. Then the indexer alone on one document filling the
+saves for the backward, the bytes each rank sends in one step (forward + backward), and the
+speed-up of CP over one process (one document: target 1.7x at CP 2, 3.0x at CP 4 in per-rank CPU
+time, with the long document's queries balanced; ``--contiguous`` also runs every CP case with
+``ctx.balance=False``, the contiguous layout, side by side). Then the indexer alone on one document filling the
 row: the (query, pool) pairs its banded kernel scores and its time, against the full
 ``[local, pools]`` matrix that scoring every pool of the row costs (both measured in this run).
 
@@ -96,11 +100,14 @@ def _batch(seq: int, layout: str):
     return PackedDocuments(seq, 1, seed=0, max_doc_len=BOUNDED_DOC).batches(1)[0]
 
 
-def case_job(env, name: str, seq: int, layout: str, repeats: int) -> dict:
+def case_job(env, name: str, seq: int, layout: str, repeats: int, balance: bool = True) -> dict:
+    from examples.comm_accounting import CommBytes
+
     torch.set_num_threads(1)
     model, vocab = _model(name)
     group = env.group if env.world_size > 1 else None
     local, ctx = fcp.shard_batch(group, _batch(seq, layout))
+    ctx = ctx if balance else ctx.replace(balance=False)
     saved = [0]
 
     def pack(t):
@@ -124,12 +131,14 @@ def case_job(env, name: str, seq: int, layout: str, repeats: int) -> dict:
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     peak = _vm("VmHWM")
+    with CommBytes(env.rank, env.world_size) as comm:  # one more step, counted
+        step()
     return dict(times=times, cpu=cpu, saved=saved[0], peak_rss=peak, peak_step=peak - before,
-                local=ctx.local_seq_len)  # fmt: skip
+                local=ctx.local_seq_len, sent=comm.sent)  # fmt: skip
 
 
-def run_case(pool, name, seq, layout, world, repeats) -> dict:
-    res = pool.run(case_job, world, name, seq, layout, repeats)
+def run_case(pool, name, seq, layout, world, repeats, balance=True) -> dict:
+    res = pool.run(case_job, world, name, seq, layout, repeats, balance)
     slowest = [max(r["times"][i] for r in res) for i in range(repeats)]
     busiest = [max(r["cpu"][i] for r in res) for i in range(repeats)]
     med, cpu = statistics.median(slowest), statistics.median(busiest)
@@ -137,7 +146,8 @@ def run_case(pool, name, seq, layout, world, repeats) -> dict:
                 us_per_token=med / seq * 1e6, cpu_us_per_token=cpu / seq * 1e6,
                 saved=max(r["saved"] for r in res),
                 peak_rss=max(r["peak_rss"] for r in res),
-                peak_step=max(r["peak_step"] for r in res), local=res[0]["local"])  # fmt: skip
+                peak_step=max(r["peak_step"] for r in res), local=res[0]["local"],
+                sent=max(r["sent"] for r in res), balance=balance)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- indexer
@@ -188,7 +198,8 @@ def indexer_job(env, seq: int, repeats: int) -> dict | None:
 def _print_rows(rows):
     print(f"{'model':>10} {'layout':>7} {'tokens':>6} {'world':>5} {'us/token':>9} "
           f"{'cpu us/tok':>10} {'CP2 x':>6} {'cpu x':>6} {'peak RSS MiB':>12} "
-          f"{'step peak MiB':>13} {'step KiB/tok':>12} {'saved MiB/rank':>14}")  # fmt: skip
+          f"{'step peak MiB':>13} {'step KiB/tok':>12} {'saved MiB/rank':>14} "
+          f"{'sent MiB/rank':>13}")  # fmt: skip
     for r in rows:
         one = next((b for b in rows if b["model"] == r["model"] and b["layout"] == r["layout"]
                     and b["tokens"] == r["tokens"] and b["world"] == 1), None)  # fmt: skip
@@ -196,10 +207,12 @@ def _print_rows(rows):
             sp = f"{one['seconds'] / r['seconds']:6.2f} {one['cpu_seconds'] / r['cpu_seconds']:6.2f}"
         else:
             sp = f"{'':6} {'':6}"
-        print(f"{r['model']:>10} {r['layout']:>7} {r['tokens'] // 1024:5d}k {r['world']:5d} "
+        layout = r["layout"] + ("" if r.get("balance", True) else "/contig")
+        print(f"{r['model']:>10} {layout:>7} {r['tokens'] // 1024:5d}k {r['world']:5d} "
               f"{r['us_per_token']:9.1f} {r['cpu_us_per_token']:10.1f} {sp} "
               f"{r['peak_rss'] / MIB:12.0f} {r['peak_step'] / MIB:13.0f} "
-              f"{r['peak_step'] / r['local'] / 1024:12.1f} {r['saved'] / MIB:14.1f}")
+              f"{r['peak_step'] / r['local'] / 1024:12.1f} {r['saved'] / MIB:14.1f} "
+              f"{r['sent'] / MIB:13.1f}")
 
 
 def summary(rows, idx_rows, cp_length) -> list[dict]:
@@ -213,7 +226,14 @@ def summary(rows, idx_rows, cp_length) -> list[dict]:
 
     def get(model, layout, tokens, world=1):
         return next((r for r in rows if (r["model"], r["layout"], r["tokens"], r["world"]) ==
-                     (model, layout, tokens, world)), None)  # fmt: skip
+                     (model, layout, tokens, world) and r.get("balance", True)), None)  # fmt: skip
+
+    for r in rows:  # one document filling the row: balanced CP 2 / CP 4 vs one rank
+        one = get(r["model"], "full", r["tokens"])
+        if r["layout"] == "full" and r["world"] in (2, 4) and r["balance"] and one:
+            add(f"{r['model']} one {r['tokens'] // 1024}k document: CP {r['world']} speed-up "
+                "(per-rank cpu)", one["cpu_seconds"] / r["cpu_seconds"], ">=",
+                {2: 1.7, 4: 3.0}[r["world"]])
 
     for model in sorted({r["model"] for r in rows}):
         lens = sorted({r["tokens"] for r in rows if r["model"] == model and r["world"] == 1
@@ -253,6 +273,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cp-length", type=int, default=16384)
     ap.add_argument("--indexer-lengths", type=int, nargs="*", default=[32768])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--contiguous", action="store_true",
+                    help="also run every CP case with ctx.balance=False (the contiguous layout)")
     args = ap.parse_args(argv)
     full_lengths = args.lengths if args.full_lengths is None else args.full_lengths
     rows, idx_rows = [], []
@@ -266,9 +288,11 @@ def main(argv=None) -> dict:
                                  and args.cp_length else set()))  # fmt: skip
                 for seq in lens:
                     for world in args.worlds:
-                        rows.append(run_case(pool, model, seq, layout, world, args.repeats))
-                        print(f"  {model} {layout} {seq} x{world}: "
-                              f"{rows[-1]['us_per_token']:.1f} us/token", flush=True)
+                        for balance in (True, False) if args.contiguous and world > 1 else (True,):
+                            rows.append(run_case(pool, model, seq, layout, world, args.repeats,
+                                                 balance))  # fmt: skip
+                            print(f"  {model} {layout} {seq} x{world} balance={balance}: "
+                                  f"{rows[-1]['us_per_token']:.1f} us/token", flush=True)
         for seq in args.indexer_lengths:
             r = pool.run(indexer_job, 1, seq, args.repeats)[0]
             if r is not None:

@@ -8,7 +8,8 @@ Layers, bottom up (a module imports only its own layer or lower ones; the table 
    resolution, the pytree helper, and affine state maps composed by a log-depth scan;
 1. :mod:`fcp.context` - :class:`PackedContext` (the replicated map, this rank's interval, the
    band);
-2. :mod:`fcp.comm` - funcol collectives: sequence gather, backward anchor, left halo, state chain;
+2. :mod:`fcp.comm` - funcol collectives: sequence gather, backward anchor, left halo, state chain,
+   pieces of the sequence sent to the ranks that compute them (query balancing);
 3. :mod:`fcp.shard`, :mod:`fcp.loss` - :func:`shard_batch` and its inverse
    :func:`gather_sequence`; exact loss normalisation across data and context parallelism;
 4. :mod:`fcp.ops` and :mod:`fcp.ops.kit` - the operators' package and what they share;
@@ -32,7 +33,7 @@ from fcp.layout import validate_right_tail_mask
 from fcp.groups import GroupInfo, GroupLike, resolve_group
 from fcp.context import PackedContext
 from fcp.comm import all_gather_backward_anchor, all_gather_group, all_gather_sequence, left_halo
-from fcp.comm import state_chain
+from fcp.comm import send_pieces, state_chain
 from fcp.shard import gather_sequence, shard_batch
 from fcp.ops.compressed import compressed_attention
 from fcp.ops.doc_causal import doc_causal_attention
@@ -76,6 +77,7 @@ __all__ = [
     "kpool_indexer",
     "latent_attention",
     "left_halo",
+    "send_pieces",
     "loss",
     "mlstm_stabilizer",
     "lengths_from_doc_ids",

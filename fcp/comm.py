@@ -10,6 +10,9 @@ rank's context as ``ctx: PackedContext``, right after its tensor inputs (options
 * :func:`left_halo` - the ``history`` global tokens just before this rank's interval, moved with
   one ``all_to_all_single`` whose split sizes are static Python ints (``O(history)`` bytes);
   :func:`with_left_halo` returns them concatenated with the shard.
+* :func:`send_pieces` - equal pieces of the sequence sent to the ranks that compute them, and
+  their results sent home (``back=True``): the query balancing of long documents
+  (:mod:`fcp.ops.kit.balance`), one ``all_to_all_single`` with static splits each way.
 * :func:`state_chain` - the incoming state of a linear recurrence, from every earlier rank's
   transition and zero-start state, with one all-gather and fp32 accumulation.
 
@@ -396,6 +399,90 @@ class _HaloWide(torch.autograd.Function):
                 own = own + torch.cat([zeros, got[:, offset : offset + n]], 1)
                 offset += n
         return own.to(ctx.narrow), None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# query balancing: pieces of the sequence computed on another rank
+# ---------------------------------------------------------------------------------------------
+def check_owners(owners: tuple[int, ...], ctx: PackedContext, fn: str) -> int:
+    """The tokens per piece of a piece assignment ``owners`` (see :func:`send_pieces`), or
+    ``ValueError`` naming what is wrong with it."""
+    size, local = ctx.cp_size, ctx.local_seq_len
+    n = len(owners) // size if size else 0
+    if not owners or len(owners) % size or local % n:
+        raise ValueError(f"{fn}: owners has {len(owners)} pieces; it needs a positive multiple of "
+                         f"cp_size={size} pieces per row, a whole fraction of "
+                         f"local_seq_len={local} each")  # fmt: skip
+    for r in range(size):
+        if sum(1 for o in owners if o == r) != n:
+            raise ValueError(f"{fn}: owners={owners} gives rank {r} "
+                             f"{sum(1 for o in owners if o == r)} pieces, not {n}: every rank "
+                             "computes as many pieces as it holds")  # fmt: skip
+    return local // n
+
+
+def send_pieces(tensor: torch.Tensor, ctx: PackedContext, owners: tuple[int, ...], *,
+                back: bool = False) -> torch.Tensor:
+    """Move equal pieces of the sequence to the ranks that compute them (load balancing).
+
+    Each rank's interval is cut into ``n = len(owners) // cp_size`` pieces of
+    ``local_seq // n`` tokens; global piece ``g`` (rank ``g // n``'s piece ``g % n``) is
+    computed by rank ``owners[g]``, and every rank computes ``n`` pieces.
+
+    Args:
+        tensor: ``[batch, local_seq, *channels]``. ``back=False``: this rank's own interval;
+            ``back=True``: the pieces this rank computed, ascending global order. More
+            generally ``[batch, n * rows, *channels]``: ``rows`` per piece (e.g. a piece with
+            the tokens before it).
+        ctx: the rank's :class:`~fcp.context.PackedContext`.
+        owners: the static assignment (Python ints, the same on every rank).
+        back: ``False``: returns the pieces this rank computes, ascending global order (one
+            ``all_to_all_single``). ``True``: the inverse: results go home, in the interval's
+            order.
+
+    Returns:
+        ``tensor``'s shape and dtype; gradients take the reverse path (funcol's all-to-all
+        autograd). The identity where ``owners`` moves nothing or CP is off.
+
+    Example (2 ranks, 2 pieces each, ``owners = (0, 1, 1, 0)``, "zigzag"): rank 0 holds
+    ``[a, b]``, rank 1 ``[c, d]``; forward, rank 0 gets ``[a, d]``, rank 1 ``[b, c]``.
+    """
+    fn = "send_pieces"
+    check_context(ctx, fn=fn)
+    check_owners(tuple(owners), ctx, fn)
+    size, rank = ctx.cp_size, ctx.cp_rank
+    n = len(owners) // size
+    if tensor.dim() < 2 or tensor.shape[1] % n:
+        raise ValueError(f"{fn}: tensor {tuple(tensor.shape)} must be [batch, pieces * rows, "
+                         f"...] with {n} pieces per rank")  # fmt: skip
+    piece = tensor.shape[1] // n  # rows per piece (its tokens, or more: e.g. with a halo)
+    if not ctx.cp_enabled or all(o == g // n for g, o in enumerate(owners)):
+        return tensor
+    home = [g for g in range(rank * n, (rank + 1) * n)]  # my interval's pieces
+    mine = [g for g, o in enumerate(owners) if o == rank]  # the pieces I compute, ascending
+    if not back:  # my pieces by destination rank; I receive mine by source = ascending g
+        order = sorted(home, key=lambda g: owners[g])
+        send = [piece * sum(1 for g in home if owners[g] == d) for d in range(size)]
+        recv = [piece * sum(1 for g in mine if g // n == s) for s in range(size)]
+        perm = [g - rank * n for g in order]
+    else:  # my results by home rank (= ascending g); I receive mine by computing rank
+        send = [piece * sum(1 for g in mine if g // n == d) for d in range(size)]
+        recv = [piece * sum(1 for g in home if owners[g] == s) for s in range(size)]
+        perm = list(range(n))
+    got = _wait(funcol.all_to_all_single(_pieces(tensor.movedim(1, 0), piece, perm),
+                                         recv, send, ctx.group))  # fmt: skip
+    if back:  # received by computing rank, then ascending g: restore the interval's order
+        arrival = sorted(home, key=lambda g: owners[g])
+        got = _pieces(got, piece, [arrival.index(g) for g in home])
+    return got.movedim(0, 1)
+
+
+def _pieces(x: torch.Tensor, piece: int, order: list[int]) -> torch.Tensor:
+    """The ``piece``-long slices of ``x`` (along dim 0) in ``order``, contiguous (static
+    slices: no index tensor to copy to the device)."""
+    if order == sorted(order):
+        return x.contiguous()
+    return torch.cat([x[i * piece : (i + 1) * piece] for i in order], 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -74,6 +74,11 @@ class PackedContext:
             keys (the dense attention backends, the indexers) score, per block of queries, only
             keys within ``band`` of it. ``None`` where the map has no data (a context built
             from traced ids inside a compiled region): operators then take the whole row.
+        balance: whether the operators that score keys (document-causal attention, the
+            indexers) may compute some of this rank's queries on another rank to even out the
+            work of long documents (:mod:`fcp.ops.kit.balance`: planned from the static facts
+            ``global_seq``, ``cp_size`` and ``band``; results do not change). ``False``: every
+            rank computes its own interval (the contiguous layout, no query traffic).
 
     Only ``doc_ids`` is a pytree leaf; the rest is static (``band`` included: compiled code sees
     it as a constant, so a new band bucket compiles a new graph, a new packing in the same
@@ -98,6 +103,7 @@ class PackedContext:
     local_seq_len: int | None = None
     original_seq_len: int | None = None
     band: int | None = None
+    balance: bool = True
 
     def __post_init__(self) -> None:
         d = self.doc_ids
@@ -143,6 +149,8 @@ class PackedContext:
                 )
         if self.band is not None:
             check_int(self.band, "band", 0, fn="PackedContext")
+        if not isinstance(self.balance, bool):
+            raise TypeError(f"PackedContext: balance must be a bool, got {self.balance!r}")
         if has_data(d):
             validate_doc_ids(d)
             longest = longest_document(d)

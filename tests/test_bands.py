@@ -176,7 +176,7 @@ def test_custom_ops_pass_opcheck():
     keys = torch.randn(1, plan.slots.shape[1], dk, generator=g)
     torch.library.opcheck(pools.pool_top, (torch.randn(1, 70, 2, dk, generator=g), keys,
                                            torch.randn(1, 70, 2, generator=g), plan.slots,
-                                           doc_ids, 0, 4, 40, 2, 0.5, None, 16))  # fmt: skip
+                                           doc_ids, 0, 70, 4, 40, 2, 0.5, None, 16))  # fmt: skip
 
 
 def test_indexer_scores_half_the_matrix_for_one_document_and_the_band_otherwise():

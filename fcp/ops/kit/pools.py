@@ -59,6 +59,7 @@ from fcp.checks import check_positive_int, check_tensor
 from fcp.comm import all_gather_group, left_halo
 from fcp.context import PackedContext
 from fcp.layout import PAD_DOC_ID, document_starts, position_ids_from_doc_ids
+from fcp.ops.kit.balance import attention_plan, run_balanced
 from fcp.ops.kit.common import register_fp32_autocast
 
 __all__ = [
@@ -378,13 +379,15 @@ def slot_window(first: int, last: int, band: int, local_len: int, kpool: int,
     return lo, min(n_slots, slot_of(last, local_len, kpool) + 1)
 
 
-def score_chunks(local_len: int, seq_start: int, band: int, kpool: int, n_slots: int,
-                 chunk: int) -> list[tuple[int, int, int, int]]:
-    """``(r0, r1, s0, s1)`` per chunk of ``chunk`` local queries: rows ``r0:r1`` score the
-    slots ``s0:s1`` (:func:`slot_window`)."""
+def score_chunks(n: int, seq_start: int, band: int, kpool: int, n_slots: int, chunk: int,
+                 local_len: int | None = None) -> list[tuple[int, int, int, int]]:
+    """``(r0, r1, s0, s1)`` per chunk of ``chunk`` of the ``n`` queries from ``seq_start``:
+    rows ``r0:r1`` score the slots ``s0:s1`` (:func:`slot_window`; slots of ranks of
+    ``local_len`` tokens, default ``n``)."""
+    local_len = n if local_len is None else local_len
     out = []
-    for r0 in range(0, local_len, chunk):
-        r1 = min(local_len, r0 + chunk)
+    for r0 in range(0, n, chunk):
+        r1 = min(n, r0 + chunk)
         out.append((r0, r1, *slot_window(seq_start + r0, seq_start + r1 - 1, band, local_len,
                                           kpool, n_slots)))  # fmt: skip
     return out
@@ -414,21 +417,25 @@ def scored_pairs(ctx: PackedContext, kpool: int, chunk: int | None = None) -> in
 
 @torch.library.custom_op("fcp::pool_top", mutates_args=())
 def pool_top(q: torch.Tensor, keys: torch.Tensor, head_weights: Optional[torch.Tensor],
-             slots: torch.Tensor, doc_ids: torch.Tensor, seq_start: int, kpool: int, band: int,
-             n_pools: int, scale: Optional[float], divisor: Optional[float],
-             chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`top_pools` of :func:`relu_head_scores` (divided by ``divisor`` if given) for every
-    local query, ``chunk`` queries at a time, each chunk against its :func:`slot_window` only.
+             slots: torch.Tensor, doc_ids: torch.Tensor, seq_start: int, local_len: int,
+             kpool: int, band: int, n_pools: int, scale: Optional[float],
+             divisor: Optional[float],
+             chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`top_pools` of :func:`relu_head_scores` (divided by ``divisor`` if given) for the
+    queries ``seq_start ..`` (global positions), ``chunk`` queries at a time, each chunk
+    against its :func:`slot_window` only.
 
-    ``q`` fp32 ``[b, L, Hi, Di]``, ``keys`` fp32 ``[b, P, Di]``, ``slots`` the pool ends ``[b,
-    P]``; returns ``(slot, chosen, chosen_score)`` ``[b, L, n_pools]`` with global slot ids;
-    ``chunk=0`` is :func:`score_chunk_rows`' default."""
-    batch, local = q.shape[:2]
-    chunk = chunk or score_chunk_rows(batch, local, band, kpool)
-    slot = q.new_zeros(batch, local, n_pools, dtype=torch.int64)
-    chosen = q.new_zeros(batch, local, n_pools, dtype=torch.bool)
-    picked = q.new_zeros(batch, local, n_pools)
-    for r0, r1, s0, s1 in score_chunks(local, seq_start, band, kpool, slots.shape[1], chunk):
+    ``q`` fp32 ``[b, n, Hi, Di]``, ``keys`` fp32 ``[b, P, Di]``, ``slots`` the pool ends ``[b,
+    P]`` of ranks of ``local_len`` tokens (:func:`pool_slots`); returns ``(slot, chosen,
+    chosen_score)`` ``[b, n, n_pools]`` with global slot ids; ``chunk=0`` is
+    :func:`score_chunk_rows`' default."""
+    batch, n = q.shape[:2]
+    chunk = chunk or score_chunk_rows(batch, local_len, band, kpool)
+    slot = q.new_zeros(batch, n, n_pools, dtype=torch.int64)
+    chosen = q.new_zeros(batch, n, n_pools, dtype=torch.bool)
+    picked = q.new_zeros(batch, n, n_pools)
+    for r0, r1, s0, s1 in score_chunks(n, seq_start, band, kpool, slots.shape[1], chunk,
+                                       local_len):  # fmt: skip
         hw = None if head_weights is None else head_weights[:, r0:r1]
         score = relu_head_scores(q[:, r0:r1], keys[:, s0:s1].transpose(1, 2), hw, scale)
         if divisor is not None:
@@ -440,8 +447,8 @@ def pool_top(q: torch.Tensor, keys: torch.Tensor, head_weights: Optional[torch.T
 
 
 @pool_top.register_fake
-def _(q, keys, head_weights, slots, doc_ids, seq_start, kpool, band, n_pools, scale, divisor,
-      chunk):  # fmt: skip
+def _(q, keys, head_weights, slots, doc_ids, seq_start, local_len, kpool, band, n_pools, scale,
+      divisor, chunk):  # fmt: skip
     shape = (*q.shape[:2], n_pools)
     return (q.new_empty(shape, dtype=torch.int64), q.new_empty(shape, dtype=torch.bool),
             q.new_empty(shape))  # fmt: skip
@@ -468,27 +475,38 @@ def select_pools(q: torch.Tensor, keys: torch.Tensor, plan: PoolPlan, ctx: Packe
     then the ``n_pools`` best visible pools (:func:`top_pools`' tie rule), ordered by
     descending score, or ascending where ``ascending`` (bool ``[batch, local, 1]``) holds;
     each pool's tokens ascending; ``-1`` for unfilled entries; then the tail per ``tail``
-    (:data:`TAIL_LAYOUTS`; none when ``kpool == 1``).
+    (:data:`TAIL_LAYOUTS`; none when ``kpool == 1``). With long documents under CP the
+    queries are balanced across ranks (:mod:`fcp.ops.kit.balance`; the ids do not change).
     """
-    band = ctx.key_band
+    band, local = ctx.key_band, ctx.local_seq_len
     # 0: the op picks the default itself, on concrete sizes, so that a dynamic length does not
     # specialise the graph on the chunking (results do not depend on it)
     chunk = 0 if chunk is None else chunk
-    slot, chosen, chosen_score = pool_top(q, keys, head_weights, plan.slots, ctx.doc_ids,
-                                          ctx.seq_start, kpool, band, n_pools, scale,
-                                          divisor, chunk)  # fmt: skip
-    ranked, ranked_ok = by_score(slot, chosen, chosen_score)
-    if ascending is None:
-        slot, chosen = ranked, ranked_ok
-    else:
-        slot, chosen = torch.where(ascending, slot, ranked), torch.where(ascending, chosen, ranked_ok)
-    ends = plan.slots.gather(1, slot.flatten(1)).view_as(slot)
-    rows = pool_tokens(ends, chosen, kpool)
-    if tail == "none" or kpool == 1:
-        return rows
-    if tail == "after_document_pools":
-        n_doc = doc_lengths(ctx.doc_ids, ctx.seq_start, ctx.local_seq_len)
-        first = torch.clamp(n_doc // kpool, max=n_pools)[..., None] * kpool
-    else:
-        first = chosen.sum(-1, keepdim=True) * kpool
-    return place_tail(rows, tail_tokens(ctx, kpool), first)
+    tails = None if tail == "none" or kpool == 1 else tail_tokens(ctx, kpool)
+    if tail == "after_document_pools" and tails is not None:
+        n_doc = doc_lengths(ctx.doc_ids, ctx.seq_start, local)
+        tails = torch.cat([tails, torch.clamp(n_doc // kpool, max=n_pools)[..., None]], -1)
+
+    def run(start: int, n: int, q, ascending, head_weights, tails):
+        slot, chosen, chosen_score = pool_top(q, keys, head_weights, plan.slots, ctx.doc_ids,
+                                              start, local, kpool, band, n_pools, scale,
+                                              divisor, chunk)  # fmt: skip
+        ranked, ranked_ok = by_score(slot, chosen, chosen_score)
+        if ascending is None:
+            slot, chosen = ranked, ranked_ok
+        else:
+            up = ascending.bool()
+            slot, chosen = torch.where(up, slot, ranked), torch.where(up, chosen, ranked_ok)
+        ends = plan.slots.gather(1, slot.flatten(1)).view_as(slot)
+        rows = pool_tokens(ends, chosen, kpool)
+        if tails is None:
+            return rows
+        if tail == "after_document_pools":
+            tails, first = tails[..., :-1], tails[..., -1:] * kpool
+        else:
+            first = chosen.sum(-1, keepdim=True) * kpool
+        return place_tail(rows, tails, first)
+
+    # bool does not travel through every backend's all-to-all: int8 for the trip
+    up = None if ascending is None else ascending.to(torch.int8)
+    return run_balanced(ctx, attention_plan(ctx), run, q, up, head_weights, tails)

@@ -58,7 +58,8 @@ def pool_select_dense(index_q: torch.Tensor, index_keys: torch.Tensor,
     plan = plan_pools(ctx, ratio)
     keys = gather_pool_keys(index_keys, ctx)  # [B, P, Di] fp32, one all-gather, no gradient
     slot, chosen, _ = pool_top(index_q.detach().float(), keys, head_weights.detach().float(),
-                               plan.slots, ctx.doc_ids, ctx.seq_start, ratio, ctx.key_band, topk,
+                               plan.slots, ctx.doc_ids, ctx.seq_start, ctx.local_seq_len, ratio,
+                               ctx.key_band, topk,
                                scale, None, 0)  # fmt: skip
     return torch.where(chosen, slot, -1)
 
