@@ -6,7 +6,7 @@
 One row of ``--seq`` tokens, either one document filling it (``one``) or documents of at most
 1024 tokens (``bounded``), on P gloo ranks. Each rank runs the operator forward + backward
 (``doc_causal``: ``fcp.doc_causal_attention``, 8 query heads of 64, 2 KV heads; ``kpool``:
-GLM-5.3-Flash's k-pool indexer, 4 index heads of 64, ``kpool=16``, ``topk=512``, forward only
+GLM-5.3-Flash's k-pool indexer, 4 index heads of 64, ``kpool=4``, ``topk=256``, forward only
 (it selects, no gradient); ``compressed``: ``fcp.compressed_attention``, ratio 4, window 64)
 with ``ctx.balance`` off (the contiguous layout) and on (:mod:`fcp.ops.kit.balance`),
 interleaved; reported: each rank's own CPU time (``time.thread_time`` of the computing thread,
@@ -29,7 +29,7 @@ from benchmarks.common import Table
 from tests.support.rank_pool import RankPool
 
 HEADS, KV_HEADS, DIM = 8, 2, 64
-INDEX_HEADS, INDEX_DIM, KPOOL, TOPK = 4, 64, 16, 512
+INDEX_HEADS, INDEX_DIM, KPOOL, TOPK = 4, 64, 4, 256
 BOUNDED_DOC = 1024
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fcp.comm import send_pieces
 from fcp.context import PackedContext
 from fcp.ops.kit.balance import (
     MIN_GAIN,
@@ -170,3 +171,19 @@ def test_balanced_compile_does_not_recompile_over_packings(rank_pool):
                                                           inputs, packings, {}, grad_out):
         assert frames == 1 and graphs >= 2 and forbidden == [], (frames, forbidden)
         assert worst <= 1e-5
+
+
+@pytest.mark.parametrize("owners,match", [
+    ((), r"owners has 0 pieces"),
+    ((0, 0, 0), r"a whole fraction of local_seq_len=8"),
+    ((0, 1), r"gives rank 0 1 pieces, not 2"),
+])  # fmt: skip
+def test_send_pieces_bad_owners_name_the_problem(owners, match):
+    ctx = PackedContext(packing(8, [8]))
+    with pytest.raises(ValueError, match=match):
+        send_pieces(torch.zeros(1, 8, 2), ctx, owners)
+
+
+def test_send_pieces_without_cp_is_the_identity():
+    x = torch.randn(1, 8, 2)
+    assert send_pieces(x, PackedContext(packing(8, [8])), (0, 0)) is x
