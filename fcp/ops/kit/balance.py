@@ -44,13 +44,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fcp.comm import send_pieces
 from fcp.context import PackedContext
 from fcp.ops.kit.softmax import BLOCK, key_block_windows
 
-__all__ = ["MIN_GAIN", "QueryPlan", "attention_plan", "banded_cost", "banded_plan", "last_query",
-           "plan_queries", "run_balanced"]
+__all__ = ["MIN_GAIN", "QueryPlan", "attention_plan", "banded_cost", "banded_plan", "is_static",
+           "last_query", "plan_queries", "run_balanced"]
 
 #: A snake is used only if it lowers the slowest rank's planned work by more than this fraction
 #: (moving queries costs traffic; below it the contiguous split is balanced enough).
@@ -134,6 +135,9 @@ def plan_queries(global_seq: int, cp_size: int, cost: Callable[[int, int], float
     return best
 
 
+# A constant of the graph to Dynamo, which calls it (cached) instead of tracing the cost loops
+# (the plan's arguments are the static ints of a static-shape graph).
+@torch.compiler.assume_constant_result
 @functools.lru_cache(maxsize=256)
 def banded_plan(global_seq: int, cp_size: int, band: int, stride: int = 1) -> QueryPlan:
     """:func:`plan_queries` under :func:`banded_cost` (the banded softmax kernel and the
@@ -156,11 +160,22 @@ def attention_plan(ctx: PackedContext, stride: int = 1) -> QueryPlan:
     """The plan of a banded operator on ``ctx`` (the identity without CP, with
     ``ctx.balance=False``, under a compile with a dynamic (symbolic) row length, or where
     balancing gains too little)."""
-    # a symbolic length (a dynamic-shape compile) has no static pieces: contiguous, as before
-    if not ctx.cp_enabled or not ctx.balance or not isinstance(ctx.global_seq_len, int):
+    if not ctx.cp_enabled or not ctx.balance or not is_static(ctx.global_seq_len):
         local = ctx.local_seq_len
         return QueryPlan(tuple(range(ctx.cp_size)), local, (0.0,) * ctx.cp_size)
     return banded_plan(ctx.global_seq_len, ctx.cp_size, ctx.key_band, stride)
+
+
+def is_static(n: int) -> bool:
+    """Whether ``n`` is a concrete int: ``False`` for a symbolic size of a dynamic-shape compile,
+    where a plan would guard on the length's divisors (a recompile per length) and the
+    contiguous layout is used instead.
+
+    Dynamo reports a symbolic size as an ``int`` to ``isinstance``; ``statically_known_true``
+    never guards, and a size symbol is unbounded above, so only a concrete int is known to be
+    below any bound.
+    """
+    return statically_known_true(n < 2**62)
 
 
 def run_balanced(ctx: PackedContext, plan: QueryPlan, compute: Callable[..., torch.Tensor],
