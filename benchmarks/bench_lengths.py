@@ -1,12 +1,12 @@
 """Row lengths that change: compile cost of the demo GLM-5.3-Flash's token mixers, static vs dynamic.
 
     .venv/bin/python -m benchmarks.bench_lengths [--lengths 512 576 640 768] [--world 1]
+        [--repeats 3] [--variants static auto dynamic static* dynamic*]
 
 The demo compiles every fcp-backed token mixer (``mixer.compile(fullgraph=True,
 backend="aot_eager")``). Each variant starts from a fresh Dynamo state and a fresh model and runs
-forward + backward on one packed row of each length in turn (``fcp.shard_batch(...,
-pad_multiple=64)``: local lengths a multiple of KDA's chunk, the policy the README recommends
-for dynamic lengths):
+forward + backward on one packed row of each length in turn (``fcp.shard_batch``'s default
+arguments: local lengths need not be multiples of KDA's chunk):
 
 * ``static`` (``dynamic=False``): every new length compiles new graphs;
 * ``auto`` (Dynamo's default): the first length compiles static graphs, the second recompiles
@@ -61,7 +61,7 @@ def _run(env, lengths: list[int], dynamic: bool | None, repeats: int) -> dict:
     first, steady, frames = [], [], []
     for seq in lengths:
         batch = PackedDocuments(seq, 1, seed=seq).batches(1)[0]
-        local, ctx = fcp.shard_batch(group, batch, pad_multiple=64)
+        local, ctx = fcp.shard_batch(group, batch)
         times = []
         for _ in range(repeats + 1):
             model.zero_grad(set_to_none=True)
@@ -80,6 +80,8 @@ def main(argv=None) -> dict:
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 576, 640, 768])
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                   help="a subset to run (the ratios need static and dynamic)")
     args = p.parse_args(argv)
     print(f"# demo GLM-5.3-Flash mixers compiled (aot_eager), {args.world} rank(s), rows of "
           f"{args.lengths} tokens: compile seconds paid at each length / compiled frames")
@@ -88,33 +90,39 @@ def main(argv=None) -> dict:
     table.header()
     res = {}
     with RankPool(max_world_size=max(2, args.world), timeout=600, job_timeout=3600) as pool:
-        for variant in VARIANTS:
+        for variant in args.variants:
             ranks = pool.run(job, args.world, args.lengths, variant, args.repeats)
             r = {"compile": [max(x["compile"][i] for x in ranks) for i in range(len(args.lengths))],
                  "steady": statistics.median(ranks[0]["steady"]), "frames": ranks[0]["frames"]}
             res[variant] = r
             table.row(variant, *(f"{c:6.1f} s / {f}" for c, f in zip(r["compile"], r["frames"])),
                       r["steady"])  # fmt: skip
-    static, auto, dyn = res["static"], res["auto"], res["dynamic"]
-    res["ratios"] = {
-        # the first dynamic compile against the first static one
-        "dynamic_over_static": dyn["compile"][0] / static["compile"][0],
-        "dynamic_nocache_over_static": res["dynamic*"]["compile"][0] / static["compile"][0],
-        "dynamic_nocache_over_static_nocache": (res["dynamic*"]["compile"][0]
-                                                / res["static*"]["compile"][0]),
-        # auto's one recompile (dynamic) against a static recompile at the same length
-        "auto_recompile_over_static": auto["compile"][1] / static["compile"][1],
-        "auto_recompiles": auto["frames"][-1] // auto["frames"][0] - 1,
-        "static_recompiles": static["frames"][-1] // static["frames"][0] - 1,
-    }
-    q = res["ratios"]
-    print(f"\ndynamic=True compile / static compile: {q['dynamic_over_static']:.2f}x (target "
-          f"<= 2x); with the fake-tensor cache off: {q['dynamic_nocache_over_static']:.2f}x "
-          f"(against a static compile with it off: "
-          f"{q['dynamic_nocache_over_static_nocache']:.2f}x); auto's recompile / a static recompile: {q['auto_recompile_over_static']:.2f}x"
-          f"; recompiles over {len(args.lengths)} lengths: auto {q['auto_recompiles']}, static "
-          f"{q['static_recompiles']}")
+    res["ratios"] = q = _ratios(res)
+    print("\n" + "; ".join(f"{k}: {v:.2f}" for k, v in q.items())
+          + " (target: dynamic_over_static <= 2)")
     return res
+
+
+def _ratios(res: dict) -> dict:
+    """The ratios the variants that ran allow (``compile[0]``: the first compile)."""
+    q = {}
+
+    def first(v: str) -> float:
+        return res[v]["compile"][0]
+
+    if {"static", "dynamic"} <= res.keys():
+        q["dynamic_over_static"] = first("dynamic") / first("static")
+    if {"static", "dynamic*"} <= res.keys():
+        q["dynamic_nocache_over_static"] = first("dynamic*") / first("static")
+    if {"static*", "dynamic*"} <= res.keys():
+        q["dynamic_nocache_over_static_nocache"] = first("dynamic*") / first("static*")
+    if {"static", "auto"} <= res.keys() and len(res["auto"]["compile"]) > 1:
+        # auto's one recompile (dynamic) against a static recompile at the same length
+        q["auto_recompile_over_static"] = res["auto"]["compile"][1] / res["static"]["compile"][1]
+    for v in ("auto", "static"):
+        if v in res:
+            q[f"{v}_recompiles"] = res[v]["frames"][-1] // res[v]["frames"][0] - 1
+    return q
 
 
 if __name__ == "__main__":

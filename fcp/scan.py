@@ -261,7 +261,7 @@ def dplr_maps(w: torch.Tensor, u0: torch.Tensor, kd: torch.Tensor,
 
 #: Extra rows of the packed upper tree levels: ``sum_{l >= 1} ceil(N / 2^l) < N + levels`` and
 #: there are at most 62 levels (N < 2**62).
-_TREE_SLACK = 64
+TREE_SLACK = 64
 
 
 def _pack_upper(levels: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -270,7 +270,7 @@ def _pack_upper(levels: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     ``like [..., N, K, K]`` stay a tensor of their own (no copy of the largest level)."""
     n = like.shape[-3]
     used = sum(t.shape[-3] for t in levels)
-    tail = like.new_zeros(*like.shape[:-3], n + _TREE_SLACK - used, *like.shape[-2:])
+    tail = like.new_zeros(*like.shape[:-3], n + TREE_SLACK - used, *like.shape[-2:])
     return torch.cat([*levels, tail], -3)
 
 
@@ -315,7 +315,7 @@ def _(w, u0, kd, dec, s0):
     lead, dt = u0.shape[:-3], _wide(w, u0, kd, dec, s0)
     return (u0.new_empty(*lead, n, k, v, dtype=dt), u0.new_empty(u0.shape, dtype=dt),
             u0.new_empty(*lead, k, v, dtype=dt), u0.new_empty(*lead, n, k, k, dtype=dt),
-            u0.new_empty(*lead, n + _TREE_SLACK, k, k, dtype=dt))  # fmt: skip
+            u0.new_empty(*lead, n + TREE_SLACK, k, k, dtype=dt))  # fmt: skip
 
 
 @torch.library.custom_op("fcp::chunk_scan_bwd", mutates_args=())

@@ -1,11 +1,14 @@
 """Row lengths that change: ``shard_batch(pad_to=...)`` buckets, and a compiled CP block costs at
 most one recompile over rows of four lengths (one process and 2 gloo ranks; ``dynamic=True``:
-none).
+none), with ``shard_batch``'s default arguments.
 
 The block (:func:`tests._length_rank_fns.block`) chains a short conv, KDA, gated linear attention
 and document-causal attention. Before the scans became opaque custom ops, the second and every
 later length recompiled: the log-depth tree guarded on the parity of the chunk count at every
-level, and paddings written as a ``cat`` guarded on their remainder.
+level, and paddings written as a ``cat`` guarded on their remainder. Before KDA's in-chunk form
+became one too (and the run numbering lost a ``chunks - 1`` sized slice), the dynamic graph
+guarded on its chunk count at KDA's default chunk of 64: rows of 2 local chunks, then 3,
+compiled a third time (the README then asked for ``pad_multiple=64``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from tests import _length_rank_fns as fns
 
 #: global row lengths: one-chunk and multi-chunk rows, multiples of 16 and 64 and neither
 LENGTHS = [96, 136, 192, 264]
+#: global rows on 2 ranks with ``shard_batch``'s defaults: local 96, 128, 160, 200 tokens, in
+#: KDA's and GLA's default chunks of 64 a multiple of the chunk or not, 2, 2, 3 and 4 chunks
+DEFAULT_CHUNK_LENGTHS = [192, 256, 320, 400]
 
 
 def _brute_force(seq: int, multiple: int, pad_to) -> int:
@@ -103,5 +109,16 @@ def test_four_row_lengths_cost_one_recompile_on_two_ranks(rank_pool):
     results = rank_pool.run(fns.lengths_run, 2, LENGTHS, None, timeout=600)
     for rank, res in enumerate(results):
         assert res["local"] == [n // 2 for n in LENGTHS], res
+        assert res["frames"] == [1, 2, 2, 2], (rank, res)
+        assert res["diff"] <= 1e-6, (rank, res)
+
+
+def test_default_arguments_cost_one_recompile_on_two_ranks(rank_pool):
+    """``shard_batch``'s default padding (``pad_multiple=1``) and the operators' default chunk
+    (64): local lengths that are multiples of the chunk and those that are not, and chunk
+    counts 2, 3, 4, share the one dynamic graph."""
+    results = rank_pool.run(fns.lengths_run, 2, DEFAULT_CHUNK_LENGTHS, None, 64, timeout=600)
+    for rank, res in enumerate(results):
+        assert res["local"] == [96, 128, 160, 200], res
         assert res["frames"] == [1, 2, 2, 2], (rank, res)
         assert res["diff"] <= 1e-6, (rank, res)

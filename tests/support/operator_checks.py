@@ -122,7 +122,8 @@ def check_compiled_once(op, cases, names, **kwargs) -> None:
         assert all(rel_err(grads_c[n], grads_e[n]) <= 1e-6 for n in names)
     assert recorder.frames == 1, recorder.frames
     assert recorder.host_syncs() == [], recorder.host_syncs()
-    assert "aten.bmm.default" in recorder.ops  # the recorder saw the real aten graphs
+    # the recorder saw the real aten graphs (KDA's matmuls are inside its custom op)
+    assert any(o.startswith("aten.") for o in recorder.ops), recorder.ops
 
 
 def check_compiled_block_gradient(block, x: torch.Tensor, w: torch.Tensor) -> None:

@@ -37,7 +37,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fcp.context import PackedContext
-from fcp.ops.kit.common import compute_dtype, trim
+from fcp.ops.kit.common import compute_dtype, register_fp32_autocast, trim
+from fcp.ops.kit.opaque import recompute_vjp
 from fcp.ops.kit.recurrence import (
     boundary_decays,
     chunk_runs,
@@ -95,6 +96,47 @@ def _pair_scores(q: torch.Tensor, k: torch.Tensor, a: torch.Tensor,
     return attn[..., 0, :, :]
 
 
+# The pair scores as an opaque custom op (:mod:`fcp.ops.kit.opaque`): traced, the block
+# hierarchy is most of what a dynamic-length compile of this operator costs.
+@torch.library.custom_op("fcp::gla_pair_scores", mutates_args=())
+def gla_pair_scores(q: torch.Tensor, k: torch.Tensor, a: torch.Tensor,
+                    seg: torch.Tensor) -> torch.Tensor:
+    """:func:`_pair_scores` (same arguments; one floating dtype), contiguous."""
+    return _pair_scores(q, k, a, seg).contiguous()
+
+
+@gla_pair_scores.register_fake
+def _(q, k, a, seg):
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], a.shape[:-2])
+    return a.new_empty(*lead, a.shape[-2], a.shape[-2])
+
+
+@torch.library.custom_op("fcp::gla_pair_scores_bwd", mutates_args=())
+def gla_pair_scores_bwd(q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, seg: torch.Tensor,
+                        grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, da)`` of :func:`gla_pair_scores` (each shaped like its input: broadcast
+    dimensions summed), by recomputation (:func:`~fcp.ops.kit.opaque.recompute_vjp`)."""
+    return recompute_vjp(lambda *x: (_pair_scores(*x),), (q, k, a), (seg,), (grad,))
+
+
+@gla_pair_scores_bwd.register_fake
+def _(q, k, a, seg, grad):
+    return q.new_empty(q.shape), k.new_empty(k.shape), a.new_empty(a.shape)
+
+
+def _pair_scores_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _pair_scores_backward(ctx, grad):
+    q, k, a, seg = ctx.saved_tensors
+    return (*gla_pair_scores_bwd(q, k, a, seg, grad), None)
+
+
+gla_pair_scores.register_autograd(_pair_scores_backward, setup_context=_pair_scores_setup)
+register_fp32_autocast(gla_pair_scores, gla_pair_scores_bwd)
+
+
 def gla_keyed_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                       ctx: PackedContext, scale: float, chunk_size: int = 64) -> torch.Tensor:
     """The ``"chunked"`` backend of :func:`fcp.ops.gla.gla` for ``a [B, L, H, K]`` (arguments
@@ -127,7 +169,7 @@ def gla_keyed_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
     seg, prev = chunk_runs(ctx, n, c)  # [B, N, C], [B, N]
 
     # in-chunk: per-key decayed scores of same-run pairs i <= t
-    attn = _pair_scores(qc, kc, ac, seg[:, None, None])  # [B, G, R, N, C, C]
+    attn = gla_pair_scores(qc, kc, ac, seg[:, None, None])  # [B, G, R, N, C, C]
     intra = attn @ vc  # [B, G, R, N, C, V]
 
     # chunk boundaries, one decay per key: the kit's scalar form with K before N

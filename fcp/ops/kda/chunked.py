@@ -19,17 +19,25 @@ which supplies the rest:
 * the chunk recurrence ``S_{i+1} = A_i S_i + B_i`` with the diagonal-plus-low-rank transition
   ``A_i = diag(dec_i) - kd_i^T w_i``, composed by a log-depth scan so a compiled graph does not
   grow with the sequence length, and under CP the shard's map ``S_out = M_r S_in + S_r`` handed
-  to :func:`fcp.comm.state_chain` (:func:`~fcp.ops.kit.recurrence.dplr_outputs`).
+  to :func:`fcp.comm.state_chain` (as :func:`~fcp.ops.kit.recurrence.dplr_outputs` does).
+
+The shard's work (chunking, the in-chunk form, the scan, the read-out) runs inside one opaque
+custom op, ``fcp::kda_local_fwd`` / ``_bwd`` (:mod:`fcp.ops.kit.opaque`); only the CP state chain
+and the entering state's contribution stay in the traced graph.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fcp.context import PackedContext
-from fcp.ops.kit.common import compute_dtype, default_scale, trim
-from fcp.ops.kit.recurrence import chunk_runs, dplr_outputs, masked_exp, wy_forms, wy_forms_scalar
+from fcp.layout import document_starts
+from fcp.ops.kit.common import compute_dtype, default_scale, register_fp32_autocast, repeat_last
+from fcp.ops.kit.opaque import autograd_in_kernel, recompute_vjp
+from fcp.ops.kit.recurrence import entering_state, masked_exp, wy_forms, wy_forms_scalar
+from fcp.scan import TREE_SLACK, chunk_scan_bwd, chunk_scan_fwd
 
 __all__ = ["kda_chunked"]
 
@@ -91,6 +99,149 @@ def _chunk_forms(q, k, v, g, beta, seg, prev, scalar: bool):
     return aqk, w, u0, qg, kd, dec
 
 
+def _prologue(q, k, v, g, beta, runs, before, chunk: int, cp: bool):
+    """Token layout -> the chunk maps and the chunk form, all in the compute dtype.
+
+    q (already scaled), k ``[B, L, H, K]``, v ``[B, L, HV, V]``, g ``[B, L, HV(, K)]``, beta
+    ``[B, L, HV]``, runs ``[B, L]`` run ids of the shard's tokens (over the global map), before
+    ``[B, 1]`` the run id of the token before the shard (0 on rank 0). Returns ``(w, u0, kd, dec,
+    qg, aqk)`` (``[B, HV, N, ..]``, :func:`_chunk_forms`; ``dec`` on the state's diagonal,
+    ``[.., K]``; ``u0`` with ``K`` zero columns appended under CP, ``cp``: the augmented scan of
+    :func:`~fcp.ops.kit.recurrence.dplr_outputs`).
+    """
+    scalar = g.dim() == 3  # one gate per head (GDN): [B, L, HV]
+    bsz, length, h, dk = q.shape
+    hv = v.shape[2]
+    dt = compute_dtype(q, k, v, g, beta)
+    n = -(-length // chunk)
+    n_pad = n * chunk - length
+
+    def chunked(x: torch.Tensor, heads_repeat: int = 1) -> torch.Tensor:
+        # [B, T, heads, D] -> [B, HV, N, C, D] in the compute dtype, zero-padded at the end
+        x = x.to(dt)
+        if heads_repeat > 1:
+            x = x.repeat_interleave(heads_repeat, dim=2)
+        if n_pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, n_pad))
+        return x.reshape(bsz, n, chunk, hv, x.shape[-1]).permute(0, 3, 1, 2, 4)
+
+    qc, kc = chunked(q, hv // h), chunked(k, hv // h)
+    vc, gc = chunked(v), chunked(g[..., None] if scalar else g)
+    bc = chunked(beta[..., None])[..., 0]
+    # run ids per chunk, the padding continuing the last run (chunk_runs' rule), and of the
+    # token before each chunk
+    seg = runs[:, repeat_last(length, n_pad, runs.device)] if n_pad else runs
+    seg = seg.reshape(bsz, n, chunk)
+    prev = torch.cat([before, seg[:, :-1, -1]], 1)
+    seg, prev = seg[:, None], prev[:, None]
+    aqk, w, u0, qg, kd, dec = _chunk_forms(qc, kc, vc, gc, bc, seg, prev, scalar)
+    dec = dec.expand(*dec.shape[:-1], dk)  # a scalar gate's chunk decay, on the state's diagonal
+    if cp:
+        u0 = torch.cat([u0, u0.new_zeros(*u0.shape[:-1], dk)], -1)
+    return w, u0, kd, dec, qg, aqk
+
+
+def _epilogue(qg, aqk, states, pseudo, length: int):
+    """``o = qg @ S + aqk @ (u0 - w S)`` per chunk, in token layout ``[B, L, HV, V']``."""
+    out = qg @ states + aqk @ pseudo  # [B, HV, N, C, V']
+    bsz, hv, n, c, dv = out.shape
+    return out.permute(0, 2, 3, 1, 4).reshape(bsz, n * c, hv, dv)[:, :length].contiguous()
+
+
+def _initial_state(u0: torch.Tensor, dk: int, cp: bool) -> torch.Tensor | None:
+    """The scan's entering state: ``[0 | I]`` under CP (the augmented scan), else zero."""
+    if not cp:
+        return None
+    lead = u0.shape[:-3]
+    eye = torch.eye(dk, dtype=u0.dtype, device=u0.device).expand(*lead, dk, dk)
+    return torch.cat([u0.new_zeros(*lead, dk, u0.shape[-1] - dk), eye], -1)
+
+
+# The shard's local work as one opaque custom op (:mod:`fcp.ops.kit.opaque`): chunking, the
+# in-chunk WY hierarchy, the chunk scan and the read-out. Traced, its hundreds of small ops over
+# shapes in ``ceil(L / C)`` made a dynamic-length compile ~5x a static one and guarded on the
+# chunk count (a third compile at KDA's default chunk when a row's chunk count left 2).
+@torch.library.custom_op("fcp::kda_local_fwd", mutates_args=())
+def kda_local_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, runs: torch.Tensor, before: torch.Tensor, chunk: int,
+                  cp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                     torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(out [B, L, HV, V'], final [B, HV, K, V'], states, pseudo, a, upper)`` in the compute
+    dtype (``V' = V + K`` under CP: the response to the state entering the shard, and ``final``
+    is ``[S_r | M_r]``); the last four are the scan's, kept for the backward."""
+    w, u0, kd, dec, qg, aqk = _prologue(q, k, v, g, beta, runs, before, chunk, cp)
+    s0 = _initial_state(u0, q.shape[-1], cp)
+    states, pseudo, final, a, upper = chunk_scan_fwd(w, u0, kd, dec, s0)
+    return _epilogue(qg, aqk, states, pseudo, q.shape[1]), final, states, pseudo, a, upper
+
+
+@kda_local_fwd.register_fake
+def _(q, k, v, g, beta, runs, before, chunk, cp):
+    bsz, length, _, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3] + (dk if cp else 0)
+    n = -(-length // chunk)
+    dt = compute_dtype(q, k, v, g, beta)
+
+    def new(*shape):
+        return q.new_empty(*shape, dtype=dt)
+
+    return (new(bsz, length, hv, dv), new(bsz, hv, dk, dv), new(bsz, hv, n, dk, dv),
+            new(bsz, hv, n, chunk, dv), new(bsz, hv, n, dk, dk),
+            new(bsz, hv, n + TREE_SLACK, dk, dk))  # fmt: skip
+
+
+@torch.library.custom_op("fcp::kda_local_bwd", mutates_args=())
+def kda_local_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, runs: torch.Tensor, before: torch.Tensor, chunk: int,
+                  cp: bool, states: torch.Tensor, pseudo: torch.Tensor, a: torch.Tensor,
+                  upper: torch.Tensor, g_out: Optional[torch.Tensor],
+                  g_final: Optional[torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                             torch.Tensor]:  # fmt: skip
+    """``(dq, dk, dv, dg, dbeta)`` of :func:`kda_local_fwd`: the read-out and the prologue by
+    recomputation with autograd (:func:`~fcp.ops.kit.opaque.autograd_in_kernel`), the scan by
+    its own hand-written backward (:func:`fcp.scan.chunk_scan_bwd`) on the states the forward
+    kept."""
+    with autograd_in_kernel():
+        xs = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
+        forms = _prologue(*xs, runs, before, chunk, cp)
+        w, u0, kd, dec, qg, aqk = forms
+        g_qg, g_aqk, g_states, g_pseudo = recompute_vjp(
+            lambda *x: (_epilogue(*x, q.shape[1]),), (qg, aqk, states, pseudo), (), (g_out,))
+        with torch.no_grad():
+            dw, du0, dkd, ddec, _ = chunk_scan_bwd(w, kd, states, pseudo, a, upper, g_states,
+                                                   g_pseudo, g_final, False)  # fmt: skip
+        grads = torch.autograd.grad(
+            forms, xs, (dw.to(w.dtype), du0.to(u0.dtype), dkd.to(kd.dtype), ddec.to(dec.dtype),
+                        g_qg, g_aqk), allow_unused=True, materialize_grads=True)  # fmt: skip
+    return tuple(d.contiguous() for d in grads)
+
+
+@kda_local_bwd.register_fake
+def _(q, k, v, g, beta, runs, before, chunk, cp, states, pseudo, a, upper, g_out, g_final):
+    return tuple(t.new_empty(t.shape) for t in (q, k, v, g, beta))
+
+
+def _kda_local_setup(ctx, inputs, output):
+    q, k, v, g, beta, runs, before, chunk, cp = inputs
+    _, _, states, pseudo, a, upper = output
+    ctx.chunk, ctx.cp = chunk, cp
+    ctx.mark_non_differentiable(states, pseudo, a, upper)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, g, beta, runs, before, states, pseudo, a, upper)
+
+
+def _kda_local_backward(ctx, g_out, g_final, *_):
+    q, k, v, g, beta, runs, before, states, pseudo, a, upper = ctx.saved_tensors
+    grads = kda_local_bwd(q, k, v, g, beta, runs, before, ctx.chunk, ctx.cp, states, pseudo, a,
+                          upper, g_out, g_final)  # fmt: skip
+    return (*grads, None, None, None, None)
+
+
+kda_local_fwd.register_autograd(_kda_local_backward, setup_context=_kda_local_setup)
+register_fp32_autocast(kda_local_fwd, kda_local_bwd)
+
+
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, ctx: PackedContext, scale: float | None = None,
                 chunk_size: int = 64) -> torch.Tensor:
@@ -101,34 +252,25 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     independent of every token outside it; deterministic; no host synchronisation and no
     data-dependent shapes (CUDA-graph safe; a new packing never recompiles). Under CP, one
     :func:`~fcp.comm.state_chain` all-gather of ``[batch, value_heads, K, K + V]`` per call.
+    The shard's work is one opaque custom op (``fcp::kda_local_fwd`` / ``_bwd``), so a compiled
+    graph holds a few nodes whatever the length and a dynamic length costs about what a static
+    one does.
     """
     q, k, v, g, beta = (_ContiguousGrad.apply(t) for t in (q, k, v, g, beta))
-    scalar = g.dim() == 3  # one gate per head (GDN): [B, L, HV]
-    bsz, length, h, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
     dt = compute_dtype(q, k, v, g, beta)
-    scale = default_scale(dk, scale)
-    c = chunk_size
-    n = -(-length // c)
-    n_pad = n * c - length
-
-    def chunked(x: torch.Tensor, heads_repeat: int = 1) -> torch.Tensor:
-        # [B, T, heads, D] -> [B, HV, N, C, D] in the compute dtype, zero-padded at the end
-        x = x.to(dt)
-        if heads_repeat > 1:
-            x = x.repeat_interleave(heads_repeat, dim=2)
-        if not statically_known_true(n_pad == 0):
-            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, n_pad))
-        return x.reshape(bsz, n, c, hv, x.shape[-1]).permute(0, 3, 1, 2, 4)
-
-    qc = chunked(q, hv // h) * scale
-    kc = chunked(k, hv // h)
-    vc, gc = chunked(v), chunked(g[..., None] if scalar else g)
-    bc = chunked(beta[..., None])[..., 0]
-    seg, prev = chunk_runs(ctx, n, c)  # [B, N, C], [B, N]: run ids, shared by the heads
-    seg, prev = seg[:, None], prev[:, None]
-
-    aqk, w, u0, qg, kd, dec = _chunk_forms(qc, kc, vc, gc, bc, seg, prev, scalar)
-    dec = dec.expand(*dec.shape[:-1], dk)  # a scalar gate's chunk decay, on the state's diagonal
-    out = dplr_outputs(w, u0, kd, dec, qg, aqk, ctx)  # [B, HV, N, C, V]
-    return trim(out.permute(0, 2, 3, 1, 4).reshape(bsz, n * c, hv, dv), length, v.dtype)
+    dv = v.shape[3]
+    # scaled here, not in the op: a symbolic head dimension makes the scale a SymFloat, which a
+    # custom op's float argument would specialise
+    q = q.to(dt) * default_scale(q.shape[-1], scale)
+    runs = torch.cumsum(document_starts(ctx.doc_ids), 1)  # run ids over the global map, >= 1
+    s0 = ctx.seq_start
+    before = runs[:, s0 - 1 : s0] if s0 > 0 else torch.zeros_like(runs[:, :1])
+    cp = ctx.cp_enabled
+    out, final, *_ = kda_local_fwd(q, k, v, g, beta, runs[:, s0 : ctx.seq_end], before,
+                                   chunk_size, cp)  # fmt: skip
+    if cp:
+        # the state entering the shard reaches the tokens of its first run through their
+        # response rows (exact zeros for every other token)
+        s_in = entering_state(final[..., dv:], final[..., :dv], ctx).to(out.dtype)
+        out = out[..., :dv] + torch.einsum("blhk,bhkv->blhv", out[..., dv:], s_in)
+    return out.to(v.dtype)

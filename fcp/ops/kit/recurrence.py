@@ -149,7 +149,13 @@ def chunk_runs(ctx: PackedContext, chunks: int, chunk_size: int):
         local = local[:, repeat_last(local.shape[1], n_pad, seg.device)]
     local = local.reshape(seg.shape[0], chunks, chunk_size)
     before = seg[:, s0 - 1 : s0] if s0 > 0 else torch.zeros_like(seg[:, :1])
-    return local, torch.cat([before, local[:, :-1, -1]], 1)
+    # each chunk's predecessor is the previous chunk's last token, the first chunk's `before`:
+    # a roll and a `where`, not `cat([before, local[:, :-1, -1]])`, whose `chunks - 1` sized
+    # slice made a dynamic graph guard on `chunks - 1 == 1` (a recompile when the chunk count
+    # left 2)
+    last = local[:, :, -1].roll(1, 1)
+    first = torch.arange(chunks, device=seg.device) == 0
+    return local, torch.where(first, before, last)
 
 
 def interior_starts(ctx: PackedContext) -> torch.Tensor:
