@@ -12,7 +12,11 @@ operators, so packed documents stay separate and the sequence can be split over 
 The same ``forward(input_ids, ctx)`` contract as the home-made models of
 :mod:`examples.models`, so the demo and the tests drive both the same way. ``blocks`` are the
 decoder layers (the units FSDP2 shards), ``mixers()`` the fcp-backed token mixers (the modules
-the demo compiles).
+the demo compiles). :meth:`~Glm5NextLM.compile_layers` compiles the decoder layers whole, one
+graph per layer kind (:func:`fcp.integrations.hf.compile_layers`), MoE and hyper-connections
+included::
+
+    model = Glm5NextLM.from_config().compile_layers(backend="aot_eager", fullgraph=True)
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from torch import nn
 
 from fcp import PackedContext
-from fcp.integrations.hf import enable_packed_cp
+from fcp.integrations.hf import compile_layers, enable_packed_cp
 
 __all__ = ["CONFIG", "Glm5NextLM"]
 
@@ -73,6 +77,14 @@ class Glm5NextLM(nn.Module):
 
     def mixers(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.backbone.layers]
+
+    def compile_layers(self, **compile_kwargs) -> "Glm5NextLM":
+        """Compile each of :attr:`blocks` on its own, in place (``torch.compile`` keyword
+        arguments), and return the model: layers of one kind share one graph, so the compile
+        time follows the kinds of layers, not the depth
+        (:func:`fcp.integrations.hf.compile_layers`). The embeddings and the head stay eager."""
+        compile_layers(self, layers=self.blocks, **compile_kwargs)
+        return self
 
     def forward(self, input_ids: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         out = self.backbone(input_ids=input_ids, cp_context=ctx, use_cache=False)

@@ -13,7 +13,10 @@ included) and the sequence can be split over CP ranks::
 
 The contract of :class:`examples.glm5_hf.Glm5NextLM`: ``blocks`` are the decoder layers (the
 units FSDP2 shards), ``mixers()`` the fcp-backed token mixers and PLE layers (the modules the
-demo compiles; the decoder layers, with their MoE, stay eager).
+demo compiles; the decoder layers, with their MoE, stay eager), ``compile_layers(...)`` compiles
+the decoder layers whole instead, one graph per layer kind (the tiny configuration's 4 layers are
+4 kinds: Gated DeltaNet or QSA attention, with or without a PLE, n-gram tables of two
+sizes).
 """
 
 from __future__ import annotations

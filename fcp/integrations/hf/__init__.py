@@ -22,6 +22,10 @@ Qwen3.5, an ``nn.Conv1d`` or ``nn.GRU`` over the sequence; the rule: :mod:`.cove
 context. :func:`packed_mixers` lists what was replaced (also logged at INFO, logger ``"fcp"``),
 :func:`unreplaced_mixers` what the rule flags.
 
+:func:`compile_layers` compiles the model's decoder layers one by one (regional compilation), so
+that layers of one kind share one graph: compile time grows with the kinds of layers, not the
+depth (:mod:`.compile`).
+
 Supported families and mixers: the registry :mod:`fcp.integrations.hf.families`, one module and
 one row per transformers family (what each replaces, with which mixer kind of :mod:`.mixers`, and
 what crosses ranks per layer); :data:`SUPPORTED` and :func:`enable_packed_cp`'s refusal are
@@ -40,6 +44,7 @@ from collections import Counter
 from torch import nn
 
 from fcp.integrations.hf.causal_lm import CausalLMLoss
+from fcp.integrations.hf.compile import compile_layers, decoder_layers, layer_kinds
 from fcp.integrations.hf.core import ContextScope, FcpMixer, UnreplacedGuard, fcp_class, replace
 from fcp.integrations.hf.coverage import unreplaced
 from fcp.integrations.hf.families import SUPPORTED, supported_families
@@ -60,7 +65,10 @@ __all__ = [
     "PleMixer",
     "QsaGqaMixer",
     "UnreplacedGuard",
+    "compile_layers",
+    "decoder_layers",
     "enable_packed_cp",
+    "layer_kinds",
     "packed_mixers",
     "unreplaced_mixers",
 ]

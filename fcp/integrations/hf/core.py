@@ -249,6 +249,15 @@ class UnreplacedGuard:
             )
 
 
+class _Names(tuple):
+    """A stack of qualified names (``fcp_expected_by``, ``UnreplacedGuard.expected_by``).
+
+    A subclass, not a plain tuple, because Dynamo takes a plain tuple of strings for a constant
+    and guards its value: every decoder layer's mixer holds its own name, so layers compiled one
+    by one (:func:`fcp.integrations.hf.compile_layers`) would each compile a graph of their own.
+    A subclass's truthiness is guarded by its type and length only."""
+
+
 class ContextScope:
     """The guard of one model: its forward pre-hook :meth:`enter` and always-called forward hook
     :meth:`exit` mark ``mixers`` (``(qualified name, mixer)`` pairs) as expecting a context, and
@@ -323,9 +332,9 @@ class ContextScope:
         if self.no_masks:
             args, kwargs = self.without_masks(args, kwargs)
         for name, mixer in self.mixers:
-            mixer.fcp_expected_by = (*mixer.fcp_expected_by, name)
+            mixer.fcp_expected_by = _Names((*mixer.fcp_expected_by, name))
         for name, guard in self.guards:
-            guard.expected_by = (*guard.expected_by, name)
+            guard.expected_by = _Names((*guard.expected_by, name))
         return args, kwargs
 
     def exit(self, model: nn.Module, args: tuple, kwargs: dict, output):
@@ -333,7 +342,7 @@ class ContextScope:
         if (isinstance(kwargs.get("cp_context"), PackedContext) and _cache_argument(kwargs) is None
                 and _multimodal_argument(self.arguments(args, kwargs)) is None):  # fmt: skip
             for _, mixer in self.mixers:
-                mixer.fcp_expected_by = mixer.fcp_expected_by[:-1]
+                mixer.fcp_expected_by = _Names(mixer.fcp_expected_by[:-1])
             for _, guard in self.guards:
-                guard.expected_by = guard.expected_by[:-1]
+                guard.expected_by = _Names(guard.expected_by[:-1])
         return None

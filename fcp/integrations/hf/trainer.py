@@ -31,6 +31,12 @@ What the trainer does for the user, and why each piece is needed for the one-pro
   average over ``W``: the gradient of the global token mean, exactly, with gradient
   accumulation, gradient checkpointing, fp32 or bf16 autocast.
 
+**Compilation.** ``TrainingArguments(torch_compile=True)`` (or a ``torch_compile_backend`` /
+``torch_compile_mode``) compiles each decoder layer on its own
+(:func:`~fcp.integrations.hf.compile_layers`: one graph per layer kind, so the compile time
+grows with the kinds of layers, not the depth) instead of accelerate's whole-model
+``torch.compile``; ``regional_compile=False`` restores the latter.
+
 Evaluation computes the loss only (``prediction_loss_only``): each CP group's token mean.
 Checkpoints are ordinary transformers checkpoints (fcp changes no parameter name): they load
 into an unmodified model.
@@ -45,7 +51,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import Trainer
 
 from fcp.checks import check_instance, check_positive_int
-from fcp.integrations.hf import enable_packed_cp
+from fcp.integrations.hf import compile_layers, enable_packed_cp
 from fcp.shard import IGNORE_INDEX, shard_batch
 
 __all__ = ["PackedCP", "PackedCPTrainer"]
@@ -60,14 +66,29 @@ class PackedCP:
         shard_options: further keyword arguments of :func:`fcp.shard_batch` (``pad_multiple``,
             ``pad_to``, ``padding_token_id``, ...).
         allow_unreplaced: handed to :func:`~fcp.integrations.hf.enable_packed_cp`.
+        regional_compile: with ``TrainingArguments(torch_compile=True)``, compile the decoder
+            layers one by one (:func:`~fcp.integrations.hf.compile_layers`, the default) rather
+            than the whole model (accelerate's ``torch.compile``).
+        compile_options: further keyword arguments of ``torch.compile`` for the layers
+            (``fullgraph``, ``dynamic``, ``options``); the backend and mode are the
+            ``TrainingArguments``' ``torch_compile_backend`` / ``torch_compile_mode``.
     """
 
     def __init__(self, *args, cp_size: int = 1, shard_options: dict | None = None,
-                 allow_unreplaced: bool = False, **kwargs) -> None:  # fmt: skip
+                 allow_unreplaced: bool = False, regional_compile: bool = True,
+                 compile_options: dict | None = None, **kwargs) -> None:  # fmt: skip
         name = type(self).__name__
         self.fcp_cp_size = check_positive_int(cp_size, "cp_size", fn=name)
         self.fcp_shard_options = dict(check_instance(shard_options or {}, dict, "shard_options",
                                                      fn=name))  # fmt: skip
+        self.fcp_regional_compile = check_instance(regional_compile, bool, "regional_compile",
+                                                   fn=name)  # fmt: skip
+        self.fcp_compile_options = dict(check_instance(compile_options or {}, dict,
+                                                       "compile_options", fn=name))  # fmt: skip
+        for key in ("backend", "mode"):
+            if key in self.fcp_compile_options:
+                raise ValueError(f"{name}: compile_options={{{key!r}: ...}}: give it as "
+                                 f"TrainingArguments(torch_compile_{key}=...)")  # fmt: skip
         super().__init__(*args, **kwargs)
         args_ = self.args
         world = self.accelerator.num_processes
@@ -104,10 +125,26 @@ class PackedCP:
                                     mesh_dim_names=("dp", "cp"))  # fmt: skip
             self.fcp_dp_rank = mesh.get_local_rank("dp")
             self.fcp_cp_group = mesh["cp"] if self.fcp_cp_size > 1 else None
-        enable_packed_cp(self.accelerator.unwrap_model(self.model),
-                         allow_unreplaced=allow_unreplaced)
+        model = enable_packed_cp(self.accelerator.unwrap_model(self.model),
+                                 allow_unreplaced=allow_unreplaced)
+        if self._fcp_compiles_layers():
+            compile_layers(model, backend=args_.torch_compile_backend,
+                           mode=args_.torch_compile_mode, **self.fcp_compile_options)
         # fcp's loss hook takes num_items_in_batch whatever the model's forward signature
         self.model_accepts_loss_kwargs = True
+
+    def _fcp_compiles_layers(self) -> bool:
+        return bool(self.args.torch_compile) and self.fcp_regional_compile
+
+    def _build_accelerator_args(self, **kwargs):
+        args = super()._build_accelerator_args(**kwargs)
+        if self._fcp_compiles_layers():
+            # the layers are compiled in __init__; accelerate would compile the whole model
+            # around them (prepare(): torch.compile unless the backend is "no")
+            from accelerate.utils import TorchDynamoPlugin
+
+            args["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
+        return args
 
     # -- data: the same batches on the CP ranks of a group, sharded before the step -------------
 
