@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fcp.ops.gla import keyed
 from fcp.ops.kda import chunked
+from fcp.ops.kit.recurrence import augmented_start
 from fcp.scan import chunk_scan
 
 
@@ -48,8 +49,9 @@ def test_kda_local_backward_equals_autograd(scalar, cp):
     ours = [t.clone().requires_grad_() for t in tensors]
     ref = [t.clone().requires_grad_() for t in tensors]
     out, final, *_ = chunked.kda_local_fwd(*ours, runs, before, 16, cp)
-    w, u0, kd, dec, qg, aqk = chunked._prologue(*ref, runs, before, 16, cp)
-    states, pseudo, final_r = chunk_scan(w, u0, kd, dec, chunked._initial_state(u0, 4, cp))
+    w, u0, kd, dec, qg, aqk = chunked._prologue(*ref, runs, before, 16)
+    u0, s0 = augmented_start(u0, 4) if cp else (u0, None)
+    states, pseudo, final_r = chunk_scan(w, u0, kd, dec, s0)
     out_r = chunked._epilogue(qg, aqk, states, pseudo, 40)
     assert torch.equal(out, out_r) and torch.equal(final, final_r)
     g_out, g_final = torch.randn(out.shape, generator=gen), torch.randn(final.shape, generator=gen)

@@ -33,10 +33,17 @@ from typing import Optional
 import torch
 
 from fcp.context import PackedContext
-from fcp.layout import document_starts
-from fcp.ops.kit.common import compute_dtype, default_scale, register_fp32_autocast, repeat_last
+from fcp.ops.kit.common import compute_dtype, default_scale, register_fp32_autocast
 from fcp.ops.kit.opaque import autograd_in_kernel, recompute_vjp
-from fcp.ops.kit.recurrence import entering_state, masked_exp, wy_forms, wy_forms_scalar
+from fcp.ops.kit.recurrence import (
+    augmented_start,
+    chunk_run_ids,
+    entering_state,
+    masked_exp,
+    shard_runs,
+    wy_forms,
+    wy_forms_scalar,
+)
 from fcp.scan import TREE_SLACK, chunk_scan_bwd, chunk_scan_fwd
 
 __all__ = ["kda_chunked"]
@@ -99,16 +106,13 @@ def _chunk_forms(q, k, v, g, beta, seg, prev, scalar: bool):
     return aqk, w, u0, qg, kd, dec
 
 
-def _prologue(q, k, v, g, beta, runs, before, chunk: int, cp: bool):
+def _prologue(q, k, v, g, beta, runs, before, chunk: int):
     """Token layout -> the chunk maps and the chunk form, all in the compute dtype.
 
     q (already scaled), k ``[B, L, H, K]``, v ``[B, L, HV, V]``, g ``[B, L, HV(, K)]``, beta
-    ``[B, L, HV]``, runs ``[B, L]`` run ids of the shard's tokens (over the global map), before
-    ``[B, 1]`` the run id of the token before the shard (0 on rank 0). Returns ``(w, u0, kd, dec,
-    qg, aqk)`` (``[B, HV, N, ..]``, :func:`_chunk_forms`; ``dec`` on the state's diagonal,
-    ``[.., K]``; ``u0`` with ``K`` zero columns appended under CP, ``cp``: the augmented scan of
-    :func:`~fcp.ops.kit.recurrence.dplr_outputs`).
-    """
+    ``[B, L, HV]``, ``(runs, before)`` of :func:`~fcp.ops.kit.recurrence.shard_runs`. Returns
+    ``(w, u0, kd, dec, qg, aqk)`` (``[B, HV, N, ..]``, :func:`_chunk_forms`; ``dec`` on the
+    state's diagonal, ``[.., K]``)."""
     scalar = g.dim() == 3  # one gate per head (GDN): [B, L, HV]
     bsz, length, h, dk = q.shape
     hv = v.shape[2]
@@ -128,16 +132,10 @@ def _prologue(q, k, v, g, beta, runs, before, chunk: int, cp: bool):
     qc, kc = chunked(q, hv // h), chunked(k, hv // h)
     vc, gc = chunked(v), chunked(g[..., None] if scalar else g)
     bc = chunked(beta[..., None])[..., 0]
-    # run ids per chunk, the padding continuing the last run (chunk_runs' rule), and of the
-    # token before each chunk
-    seg = runs[:, repeat_last(length, n_pad, runs.device)] if n_pad else runs
-    seg = seg.reshape(bsz, n, chunk)
-    prev = torch.cat([before, seg[:, :-1, -1]], 1)
+    seg, prev = chunk_run_ids(runs, before, n, chunk)
     seg, prev = seg[:, None], prev[:, None]
     aqk, w, u0, qg, kd, dec = _chunk_forms(qc, kc, vc, gc, bc, seg, prev, scalar)
     dec = dec.expand(*dec.shape[:-1], dk)  # a scalar gate's chunk decay, on the state's diagonal
-    if cp:
-        u0 = torch.cat([u0, u0.new_zeros(*u0.shape[:-1], dk)], -1)
     return w, u0, kd, dec, qg, aqk
 
 
@@ -146,15 +144,6 @@ def _epilogue(qg, aqk, states, pseudo, length: int):
     out = qg @ states + aqk @ pseudo  # [B, HV, N, C, V']
     bsz, hv, n, c, dv = out.shape
     return out.permute(0, 2, 3, 1, 4).reshape(bsz, n * c, hv, dv)[:, :length].contiguous()
-
-
-def _initial_state(u0: torch.Tensor, dk: int, cp: bool) -> torch.Tensor | None:
-    """The scan's entering state: ``[0 | I]`` under CP (the augmented scan), else zero."""
-    if not cp:
-        return None
-    lead = u0.shape[:-3]
-    eye = torch.eye(dk, dtype=u0.dtype, device=u0.device).expand(*lead, dk, dk)
-    return torch.cat([u0.new_zeros(*lead, dk, u0.shape[-1] - dk), eye], -1)
 
 
 # The shard's local work as one opaque custom op (:mod:`fcp.ops.kit.opaque`): chunking, the
@@ -169,8 +158,10 @@ def kda_local_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     """``(out [B, L, HV, V'], final [B, HV, K, V'], states, pseudo, a, upper)`` in the compute
     dtype (``V' = V + K`` under CP: the response to the state entering the shard, and ``final``
     is ``[S_r | M_r]``); the last four are the scan's, kept for the backward."""
-    w, u0, kd, dec, qg, aqk = _prologue(q, k, v, g, beta, runs, before, chunk, cp)
-    s0 = _initial_state(u0, q.shape[-1], cp)
+    w, u0, kd, dec, qg, aqk = _prologue(q, k, v, g, beta, runs, before, chunk)
+    s0 = None  # zero
+    if cp:
+        u0, s0 = augmented_start(u0, q.shape[-1])
     states, pseudo, final, a, upper = chunk_scan_fwd(w, u0, kd, dec, s0)
     return _epilogue(qg, aqk, states, pseudo, q.shape[1]), final, states, pseudo, a, upper
 
@@ -204,8 +195,10 @@ def kda_local_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     kept."""
     with autograd_in_kernel():
         xs = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
-        forms = _prologue(*xs, runs, before, chunk, cp)
-        w, u0, kd, dec, qg, aqk = forms
+        w, u0, kd, dec, qg, aqk = _prologue(*xs, runs, before, chunk)
+        if cp:
+            u0 = augmented_start(u0, q.shape[-1])[0]
+        forms = (w, u0, kd, dec, qg, aqk)
         g_qg, g_aqk, g_states, g_pseudo = recompute_vjp(
             lambda *x: (_epilogue(*x, q.shape[1]),), (qg, aqk, states, pseudo), (), (g_out,))
         with torch.no_grad():
@@ -262,12 +255,9 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     # scaled here, not in the op: a symbolic head dimension makes the scale a SymFloat, which a
     # custom op's float argument would specialise
     q = q.to(dt) * default_scale(q.shape[-1], scale)
-    runs = torch.cumsum(document_starts(ctx.doc_ids), 1)  # run ids over the global map, >= 1
-    s0 = ctx.seq_start
-    before = runs[:, s0 - 1 : s0] if s0 > 0 else torch.zeros_like(runs[:, :1])
+    runs, before = shard_runs(ctx)
     cp = ctx.cp_enabled
-    out, final, *_ = kda_local_fwd(q, k, v, g, beta, runs[:, s0 : ctx.seq_end], before,
-                                   chunk_size, cp)  # fmt: skip
+    out, final, *_ = kda_local_fwd(q, k, v, g, beta, runs, before, chunk_size, cp)
     if cp:
         # the state entering the shard reaches the tokens of its first run through their
         # response rows (exact zeros for every other token)

@@ -16,7 +16,8 @@ scan (:mod:`fcp.scan`) and wires the shard's transition to the CP state chain
   :func:`merge_inverse` step, :func:`diagonal_lower_blocks`;
 * the diagonal-plus-low-rank (DPLR) transition ``A = diag(dec) - kd^T w`` - :func:`dplr_maps`
   (its chunk maps), :func:`dplr_scan` (their log-depth composition), :func:`dplr_outputs`
-  (scan, CP chain and the outputs in one call);
+  (scan, CP chain and the outputs in one call; :func:`augmented_start` and :func:`shard_runs` /
+  :func:`chunk_run_ids` are its pieces for a backend that runs the shard in a custom op);
 * the chunk-to-state-chain wiring - :func:`entering_state` (the state entering this rank's shard
   from its transition, a ``[K, K]`` matrix or a scalar per head).
 
@@ -88,7 +89,9 @@ from fcp.scan import chunk_scan, decay_scan, dplr_maps
 
 __all__ = [
     "WyForms",
+    "augmented_start",
     "boundary_decays",
+    "chunk_run_ids",
     "chunk_runs",
     "diagonal_lower_blocks",
     "dplr_maps",
@@ -99,6 +102,7 @@ __all__ = [
     "interior_starts",
     "masked_exp",
     "merge_inverse",
+    "shard_runs",
     "unit_lower_inverse",
     "wy_forms",
     "wy_forms_scalar",
@@ -133,29 +137,54 @@ def chunk_runs(ctx: PackedContext, chunks: int, chunk_size: int):
     The internal padding to ``chunks * chunk_size`` tokens continues the last run (its tokens get
     zero inputs, so they carry the state through unchanged and the shard's final state is the one
     after its last real token). A token is *carried* into its chunk (sees the state entering it)
-    where ``seg == prev[..., None]``.
+    where ``seg == prev[..., None]``. The composition of :func:`shard_runs` (the context's part)
+    and :func:`chunk_run_ids` (tensors only: usable inside a custom op's kernel).
 
     >>> seg, prev = chunk_runs(PackedContext(torch.tensor([[1, 1, 1, 2, 2, 0]])), 2, 4)
     >>> seg.tolist(), prev.tolist()
     ([[[1, 1, 1, 2], [2, 3, 3, 3]]], [[0, 2]])
     """
+    return chunk_run_ids(*shard_runs(ctx), chunks, chunk_size)
+
+
+def shard_runs(ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(runs [batch, local_seq], before [batch, 1])``, int64: the run ids (:func:`chunk_runs`)
+    of this rank's tokens and of the token before the shard (0 on rank 0)."""
     seg = torch.cumsum(document_starts(ctx.doc_ids), 1)  # >= 1
     s0 = ctx.seq_start
-    local = seg[:, s0 : ctx.seq_end]
-    n_pad = chunks * chunk_size - local.shape[1]
+    before = seg[:, s0 - 1 : s0] if s0 > 0 else torch.zeros_like(seg[:, :1])
+    return seg[:, s0 : ctx.seq_end], before
+
+
+def chunk_run_ids(runs: torch.Tensor, before: torch.Tensor, chunks: int,
+                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_runs` from :func:`shard_runs`' ``(runs, before)``: ``runs`` padded to
+    ``chunks * chunk_size`` by repeating the last run and cut into chunks, and the run of the
+    token before each chunk."""
+    n_pad = chunks * chunk_size - runs.shape[1]
     if not statically_known_true(n_pad == 0):
         # the last token's run repeated by an index (a `cat` would guard on n_pad == 0 and
         # specialise a dynamic length)
-        local = local[:, repeat_last(local.shape[1], n_pad, seg.device)]
-    local = local.reshape(seg.shape[0], chunks, chunk_size)
-    before = seg[:, s0 - 1 : s0] if s0 > 0 else torch.zeros_like(seg[:, :1])
+        runs = runs[:, repeat_last(runs.shape[1], n_pad, runs.device)]
+    local = runs.reshape(runs.shape[0], chunks, chunk_size)
     # each chunk's predecessor is the previous chunk's last token, the first chunk's `before`:
     # a roll and a `where`, not `cat([before, local[:, :-1, -1]])`, whose `chunks - 1` sized
     # slice made a dynamic graph guard on `chunks - 1 == 1` (a recompile when the chunk count
     # left 2)
     last = local[:, :, -1].roll(1, 1)
-    first = torch.arange(chunks, device=seg.device) == 0
+    first = torch.arange(chunks, device=runs.device) == 0
     return local, torch.where(first, before, last)
+
+
+def augmented_start(u0: torch.Tensor, dk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CP's augmented chunk scan (:func:`dplr_outputs`): ``([u0 | 0] [.., C, V + K], the
+    entering state [0 | I] [lead, K, V + K])`` for ``u0 [lead, N, C, V]``. From ``[0 | I]`` the
+    scan's states are ``[S | P]``: the states from zero and each chunk's response to the state
+    entering the shard; the final ``P`` is the shard's transition."""
+    u0 = torch.cat([u0, u0.new_zeros(*u0.shape[:-1], dk)], -1)
+    lead = u0.shape[:-3]
+    eye = torch.eye(dk, dtype=u0.dtype, device=u0.device).expand(*lead, dk, dk)
+    return u0, torch.cat([u0.new_zeros(*lead, dk, u0.shape[-1] - dk), eye], -1)
 
 
 def interior_starts(ctx: PackedContext) -> torch.Tensor:
@@ -419,15 +448,11 @@ def dplr_outputs(w: torch.Tensor, u0: torch.Tensor, kd: torch.Tensor, dec: torch
         the state entering the shard in the same pass; that state
         (:func:`entering_state`) is then added to the outputs of the shard's first run.
     """
-    dk, dv = w.shape[-1], u0.shape[-1]
-    lead = u0.shape[:-3]
+    dv = u0.shape[-1]
     cp = ctx.cp_enabled
+    state = None  # zero
     if cp:
-        u0 = torch.cat([u0, u0.new_zeros(*u0.shape[:-1], dk)], -1)
-        eye = torch.eye(dk, dtype=u0.dtype, device=u0.device).expand(*lead, dk, dk)
-        state = torch.cat([u0.new_zeros(*lead, dk, dv), eye], -1)
-    else:
-        state = None  # zero
+        u0, state = augmented_start(u0, w.shape[-1])
     # the chunk recurrence, composed as affine maps by a log-depth scan (no Python loop over
     # chunks, so the compiled graph does not grow with the sequence length)
     states, pseudo, state = dplr_scan(w, u0, kd, dec, state)
