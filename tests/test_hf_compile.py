@@ -140,3 +140,8 @@ def test_trainer_torch_compile_compiles_the_layers(tmp_path, regional):
         PackedCPTrainer(model=tiny_model(), args=args, train_dataset=dataset(),
                         data_collator=DataCollatorWithFlattening(),
                         compile_options={"backend": "eager"})  # fmt: skip
+    plain = arguments(tmp_path, "d", BATCH)
+    with pytest.raises(ValueError, match=r"compile_options=\{'fullgraph': True\} would go unused"):
+        PackedCPTrainer(model=tiny_model(), args=plain, train_dataset=dataset(),
+                        data_collator=DataCollatorWithFlattening(),
+                        compile_options={"fullgraph": True})  # fmt: skip

@@ -71,7 +71,8 @@ class PackedCP:
             than the whole model (accelerate's ``torch.compile``).
         compile_options: further keyword arguments of ``torch.compile`` for the layers
             (``fullgraph``, ``dynamic``, ``options``); the backend and mode are the
-            ``TrainingArguments``' ``torch_compile_backend`` / ``torch_compile_mode``.
+            ``TrainingArguments``' ``torch_compile_backend`` / ``torch_compile_mode``. Refused
+            (``ValueError``) where no layer is compiled.
     """
 
     def __init__(self, *args, cp_size: int = 1, shard_options: dict | None = None,
@@ -91,6 +92,13 @@ class PackedCP:
                                  f"TrainingArguments(torch_compile_{key}=...)")  # fmt: skip
         super().__init__(*args, **kwargs)
         args_ = self.args
+        if self.fcp_compile_options and not self._fcp_compiles_layers():
+            raise ValueError(
+                f"{name}: compile_options={self.fcp_compile_options!r} would go unused: they "
+                "apply to the decoder layers' compile, which needs TrainingArguments("
+                f"torch_compile=True) and regional_compile=True (got torch_compile="
+                f"{args_.torch_compile}, regional_compile={self.fcp_regional_compile})"
+            )
         world = self.accelerator.num_processes
         if world % self.fcp_cp_size:
             raise ValueError(f"{name}: cp_size={cp_size} does not divide the {world} launched "
