@@ -1,7 +1,7 @@
 """Row lengths that change: compile cost of the demo GLM-5.3-Flash's token mixers, static vs dynamic.
 
     .venv/bin/python -m benchmarks.bench_lengths [--lengths 512 576 640 768] [--world 1]
-        [--repeats 3] [--variants static auto dynamic static* dynamic*]
+        [--repeats 3] [--variants static auto dynamic dynamic_sf static* dynamic*]
 
 The demo compiles every fcp-backed token mixer (``mixer.compile(fullgraph=True,
 backend="aot_eager")``). Each variant starts from a fresh Dynamo state and a fresh model and runs
@@ -12,14 +12,22 @@ arguments: local lengths need not be multiples of KDA's chunk):
 * ``auto`` (Dynamo's default): the first length compiles static graphs, the second recompiles
   them once with a dynamic sequence dimension, later lengths reuse it;
 * ``dynamic`` (``dynamic=True``): one dynamic compile at the first length;
+* ``dynamic_sf``: the same with ``torch._dynamo.config.specialize_float = True`` (scoped to the
+  run). Under ``dynamic=True`` Dynamo turns every float attribute of a module into a graph
+  input, and restarts the trace of the whole frame when one reaches an op that needs a Python
+  float: fcp's operators take their scales as tensors
+  (:func:`fcp.ops.kit.common.scalar_tensor`), but the DSA indexer's ``nn.LayerNorm`` passes its
+  ``eps`` to ``aten.layer_norm``. With floats specialised (what PyTorch does anyway under CUDA
+  graphs) there is no restart: the difference is that restart's cost;
 * ``static*`` and ``dynamic*``: the same with Dynamo's fake-tensor cache off
   (``torch._dynamo.config.fake_tensor_cache_enabled = False``, scoped to the run): with a
   symbolic length, rebuilding each cached op's output from its cache entry re-derives its
   symbolic sizes and strides, and costs more than running the meta kernel again.
 
 Reported per variant and length: the step's wall time minus the same step's steady-state time
-(the compile cost it paid), and the compiled frames so far. Target: the dynamic compile at most
-2x the static one. 1 thread per rank.
+(the compile cost it paid), and the compiled frames so far; per variant the Dynamo restarts
+(attempts that did not produce a graph). Target: the dynamic compile at most 2x the static one.
+1 thread per rank.
 """
 
 from __future__ import annotations
@@ -37,15 +45,16 @@ from examples.data import PackedDocuments
 from examples.glm5_hf import Glm5NextLM
 from tests.support.rank_pool import RankPool
 
-#: name -> (``dynamic=``, fake-tensor cache on)
-VARIANTS = {"static": (False, True), "auto": (None, True), "dynamic": (True, True),
-            "static*": (False, False), "dynamic*": (True, False)}
+#: name -> (``dynamic=``, fake-tensor cache on, floats specialised)
+VARIANTS = {"static": (False, True, False), "auto": (None, True, False),
+            "dynamic": (True, True, False), "dynamic_sf": (True, True, True),
+            "static*": (False, False, False), "dynamic*": (True, False, False)}
 
 
 def job(env, lengths: list[int], variant: str, repeats: int) -> dict:
     torch.set_num_threads(1)
-    dynamic, cache = VARIANTS[variant]
-    with torch._dynamo.config.patch(fake_tensor_cache_enabled=cache):
+    dynamic, cache, floats = VARIANTS[variant]
+    with torch._dynamo.config.patch(fake_tensor_cache_enabled=cache, specialize_float=floats):
         return _run(env, lengths, dynamic, repeats)
 
 
@@ -53,6 +62,7 @@ def _run(env, lengths: list[int], dynamic: bool | None, repeats: int) -> dict:
     import torch._dynamo.testing
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     model = Glm5NextLM.from_config()
     for mixer in model.mixers():
@@ -71,8 +81,9 @@ def _run(env, lengths: list[int], dynamic: bool | None, repeats: int) -> dict:
         first.append(times[0])
         steady.append(statistics.median(times[1:]))
         frames.append(counter.frame_count)
+    attempts = torch._dynamo.utils.counters["aot_autograd"]
     return {"compile": [f - s for f, s in zip(first, steady)], "steady": steady,
-            "frames": frames}  # fmt: skip
+            "frames": frames, "restarts": attempts["total"] - attempts["ok"]}  # fmt: skip
 
 
 def main(argv=None) -> dict:
@@ -85,18 +96,19 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     print(f"# demo GLM-5.3-Flash mixers compiled (aot_eager), {args.world} rank(s), rows of "
           f"{args.lengths} tokens: compile seconds paid at each length / compiled frames")
-    table = Table(("variant", ">8"), *((f"{n} tok", ">14") for n in args.lengths),
-                  ("steady s", "9.3f"))  # fmt: skip
+    table = Table(("variant", ">10"), *((f"{n} tok", ">14") for n in args.lengths),
+                  ("steady s", "9.3f"), ("restarts", ">8"))  # fmt: skip
     table.header()
     res = {}
     with RankPool(max_world_size=max(2, args.world), timeout=600, job_timeout=3600) as pool:
         for variant in args.variants:
             ranks = pool.run(job, args.world, args.lengths, variant, args.repeats)
             r = {"compile": [max(x["compile"][i] for x in ranks) for i in range(len(args.lengths))],
-                 "steady": statistics.median(ranks[0]["steady"]), "frames": ranks[0]["frames"]}
+                 "steady": statistics.median(ranks[0]["steady"]), "frames": ranks[0]["frames"],
+                 "restarts": ranks[0]["restarts"]}  # fmt: skip
             res[variant] = r
             table.row(variant, *(f"{c:6.1f} s / {f}" for c, f in zip(r["compile"], r["frames"])),
-                      r["steady"])  # fmt: skip
+                      r["steady"], str(r["restarts"]))  # fmt: skip
     res["ratios"] = q = _ratios(res)
     print("\n" + "; ".join(f"{k}: {v:.2f}" for k, v in q.items())
           + " (target: dynamic_over_static <= 2)")
@@ -112,6 +124,8 @@ def _ratios(res: dict) -> dict:
 
     if {"static", "dynamic"} <= res.keys():
         q["dynamic_over_static"] = first("dynamic") / first("static")
+    if {"static", "dynamic_sf"} <= res.keys():
+        q["dynamic_sf_over_static"] = first("dynamic_sf") / first("static")
     if {"static", "dynamic*"} <= res.keys():
         q["dynamic_nocache_over_static"] = first("dynamic*") / first("static")
     if {"static*", "dynamic*"} <= res.keys():

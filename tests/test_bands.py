@@ -163,10 +163,11 @@ def test_custom_ops_pass_opcheck():
     wkv = torch.randn(b, n, hkv, 3, e, generator=g, requires_grad=True)
     wm = torch.rand(b, n, 3, generator=g) > 0.3
     key_hi = key_lo + 5  # a sliding window of 6
+    half = torch.tensor(0.5, dtype=torch.float64)  # the scale, as scalar_tensor makes it
     sinks = torch.randn(b, n, 2, generator=g, requires_grad=True)
     for win, extra, softcap in (((None, None), (None, None), 0.0), ((wkv, wm), (None, None), 0.0),
                                 ((None, None), (key_hi, sinks), 2.0)):  # fmt: skip
-        args = (q, kvh, key_doc, key_lo, doc_q, *win, *extra, 0, 40, 1, 0.5, softcap, dk, 1)
+        args = (q, kvh, key_doc, key_lo, doc_q, *win, *extra, 0, 40, 1, half, softcap, dk, 1)
         torch.library.opcheck(softmax.banded_attention_fwd, args)
         out, lse = (t.detach() for t in softmax.banded_attention_fwd(*args))
         plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
@@ -176,7 +177,7 @@ def test_custom_ops_pass_opcheck():
     keys = torch.randn(1, plan.slots.shape[1], dk, generator=g)
     torch.library.opcheck(pools.pool_top, (torch.randn(1, 70, 2, dk, generator=g), keys,
                                            torch.randn(1, 70, 2, generator=g), plan.slots,
-                                           doc_ids, 0, 70, 4, 40, 2, 0.5, None, 16))  # fmt: skip
+                                           doc_ids, 0, 70, 4, 40, 2, half, None, 16))  # fmt: skip
 
 
 def test_indexer_scores_half_the_matrix_for_one_document_and_the_band_otherwise():

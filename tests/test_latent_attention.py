@@ -156,3 +156,63 @@ def test_nan_in_one_document_changes_no_other_document():
         runs.append((out.detach()[~poisoned], q.grad[~poisoned], c.grad[~poisoned]))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bias, rope", [(True, 0), (False, 2)])
+def test_custom_ops_pass_opcheck(bias, rope):
+    """``fcp::latent_attention_fwd`` / ``_bwd`` and the kernel they call
+    (``fcp::index_attention_fwd`` / ``_bwd``): schemas, fake kernels, autograd registration."""
+    from fcp.ops.kit.gather import index_attention_bwd, index_attention_fwd, selected_slots
+    from fcp.ops.latent_attention.gather import latent_attention_bwd, latent_attention_fwd
+
+    g = torch.Generator().manual_seed(7)
+    doc_ids = packing(8, [3, 5])
+    scale = torch.tensor(0.3, dtype=torch.float64)
+    q = torch.randn(1, 6, HEADS, DK, generator=g, requires_grad=True)  # tokens 2..7
+    full = torch.randn(1, 8, RANK + rope, generator=g, requires_grad=True)
+    w = torch.randn(HEADS * (DK - rope + DV), RANK, generator=g, requires_grad=True)
+    b = torch.randn(HEADS * (DK - rope + DV), generator=g, requires_grad=True) if bias else None
+    ids = torch.randint(-1, 8, (1, 6, 3), generator=g)
+    args = (q, full, w, b, ids, doc_ids, 2, 8, scale, rope, 0)
+    torch.library.opcheck(latent_attention_fwd, args)
+    out, lse = latent_attention_fwd(*args)
+    plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    grad = torch.randn(out.shape, generator=g)
+    torch.library.opcheck(latent_attention_bwd, (grad, *plain[:6], out.detach(), lse.detach(),
+                                                 *plain[6:]))  # fmt: skip
+    kvh = torch.randn(1, HEADS, 8, DK + DV, generator=g, requires_grad=True)
+    slots, valid = selected_slots(ids, doc_ids, 2)
+    torch.library.opcheck(index_attention_fwd, (q, kvh, slots, valid, scale, DK, 4))
+    out, lse = (t.detach() for t in index_attention_fwd(q, kvh, slots, valid, scale, DK, 4))
+    torch.library.opcheck(index_attention_bwd, (grad, q.detach(), kvh.detach(), slots, valid,
+                                                out, lse, scale, DK, 4))  # fmt: skip
+
+
+def test_a_dynamic_compile_keeps_a_module_scale_symbolic():
+    """Under ``torch.compile(dynamic=True)`` a module's float attribute (``self.scaling``) is a
+    symbolic float. It reaches the kernels as a tensor (a custom op's ``float`` argument
+    would specialise it and restart Dynamo's trace of the whole frame), so the layer compiles
+    in one attempt, a new scale neither recompiles nor is lost, and the results equal eager."""
+    import torch._dynamo.testing
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scaling = 0.3
+
+        def forward(self, q, latent, w, ids, ctx):
+            return latent_attention(q, latent, w, ids, ctx, scale=self.scaling)
+
+    t = inputs(8, 1, 10)
+    ctx = PackedContext(packing(10, [4, 6]))
+    args = (t["q"], t["latent"], t["kv_weight"], t["indices"], ctx)
+    layer = Layer()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    for scaling in (0.3, 0.7):
+        layer.scaling = scaling
+        assert torch.equal(compiled(*args), layer(*args))
+    assert counter.frame_count == 1
+    assert torch._dynamo.utils.counters["aot_autograd"]["total"] == 1  # no restarted attempt

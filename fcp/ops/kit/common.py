@@ -2,7 +2,8 @@
 
 * :func:`choose_backend` - one way to pick a backend: an explicit ``backend=`` string per call,
   ``"auto"`` resolved from static facts (device) only, so Dynamo folds the choice at trace time.
-* :func:`default_scale` - ``D ** -0.5`` unless given.
+* :func:`default_scale` - ``D ** -0.5`` unless given; :func:`scalar_tensor` - how a scale
+  reaches a custom op's kernel (a 0-d tensor, not a ``float`` argument).
 * :func:`compute_dtype` - fp32 for fp32/bf16/fp16 inputs, fp64 when any input is fp64: state
   chains and reductions accumulate in fp32 whatever the input dtype.
 * :func:`autocast_off` and :func:`register_fp32_autocast` - every dispatcher runs its backend
@@ -54,6 +55,7 @@ __all__ = [
     "finite_or_zero",
     "register_fp32_autocast",
     "repeat_last",
+    "scalar_tensor",
     "trim",
     "zero_nonfinite_grad",
 ]
@@ -72,6 +74,27 @@ def choose_backend(op: str, backend: str, allowed: tuple[str, ...], auto: str) -
 def default_scale(head_dim: int, scale: float | None) -> float:
     """``head_dim ** -0.5`` when ``scale`` is ``None``, else ``float(scale)``."""
     return head_dim**-0.5 if scale is None else check_float(scale, "scale")
+
+
+def scalar_tensor(value: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """``value`` as a 0-d fp64 tensor on ``device``: the form in which a float (a softmax scale)
+    reaches a custom op's kernel, which multiplies by it.
+
+    Why not a ``float`` argument: under ``torch.compile(dynamic=True)`` a module's float
+    attribute (``self.scaling``, an indexer's ``softmax_scale``) is a symbolic float, and a
+    custom op's ``float`` argument specialises it, which restarts Dynamo's trace of the whole
+    frame (it was 40% of a DSA layer's dynamic compile). As a tensor it stays an input of the
+    graph: no restart, no recompile when the value changes. Built as ``ones * value``, the form
+    Dynamo keeps symbolic (``torch.full``, ``as_tensor`` and ``scalar_tensor`` specialise it).
+
+    Multiplying by it is bitwise multiplying by the Python float: either way the fp64 value is
+    cast to the computation dtype before the product (``tests/test_gather_kernel.py`` checks).
+
+    >>> x = torch.tensor([3.0])
+    >>> torch.equal(x * scalar_tensor(0.1), x * 0.1)
+    True
+    """
+    return torch.ones((), dtype=torch.float64, device=device) * value
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from fcp.layout import PAD_DOC_ID
-from fcp.ops.kit.common import register_fp32_autocast
+from fcp.ops.kit.common import register_fp32_autocast, scalar_tensor
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -100,12 +100,12 @@ def _chunk(q, kvh, slots, valid, scale, dk, r0, r1):
 
 @torch.library.custom_op("fcp::index_attention_fwd", mutates_args=())
 def index_attention_fwd(q: torch.Tensor, kvh: torch.Tensor, slots: torch.Tensor,
-                        valid: torch.Tensor, scale: float, dk: int,
+                        valid: torch.Tensor, scale: torch.Tensor, dk: int,
                         chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [b, L, H, Dv], lse [b, L, H])`` in the compute dtype; empty rows: 0 and 0.
 
-    ``kvh``: ``[b, kv_heads, keys, D + Dv]``, keys then values, head-major. ``chunk`` queries at
-    a time."""
+    ``kvh``: ``[b, kv_heads, keys, D + Dv]``, keys then values, head-major; ``scale`` a 0-d
+    fp64 tensor (:func:`~fcp.ops.kit.common.scalar_tensor`). ``chunk`` queries at a time."""
     b, local, h, _ = q.shape
     hkv, dv = kvh.shape[1], kvh.shape[-1] - dk
     dt = _dtype(q, kvh)
@@ -137,7 +137,7 @@ def _(q, kvh, slots, valid, scale, dk, chunk):
 @torch.library.custom_op("fcp::index_attention_bwd", mutates_args=())
 def index_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, kvh: torch.Tensor,
                         slots: torch.Tensor, valid: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, scale: float, dk: int,
+                        lse: torch.Tensor, scale: torch.Tensor, dk: int,
                         chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dq, dkvh)`` in the dtypes of ``q`` and ``kvh``."""
     b, local, h, _ = q.shape
@@ -172,13 +172,13 @@ def _(grad_out, q, kvh, slots, valid, out, lse, scale, dk, chunk):
 def _setup(ctx, inputs, output):
     q, kvh, slots, valid, scale, dk, chunk = inputs
     out, lse = output
-    ctx.save_for_backward(q, kvh, slots, valid, out, lse)
-    ctx.args = (scale, dk, chunk)
+    ctx.save_for_backward(q, kvh, slots, valid, out, lse, scale)
+    ctx.args = (dk, chunk)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, kvh, slots, valid, out, lse = ctx.saved_tensors
-    dq, dkvh = index_attention_bwd(grad_out, q, kvh, slots, valid, out, lse, *ctx.args)
+    q, kvh, slots, valid, out, lse, scale = ctx.saved_tensors
+    dq, dkvh = index_attention_bwd(grad_out, q, kvh, slots, valid, out, lse, scale, *ctx.args)
     return dq, dkvh, None, None, None, None, None
 
 
@@ -200,5 +200,6 @@ def gather_attention(q: torch.Tensor, kv: torch.Tensor, dk: int, slots: torch.Te
         chunk = chunk_rows(slots.shape[-1], q.shape[2], kv.shape[2], dk, kv.shape[3] - dk,
                            q.shape[1])  # fmt: skip
     kvh = kv.transpose(1, 2).contiguous()
-    out, _ = index_attention_fwd(q, kvh, slots, valid, float(scale), dk, max(1, int(chunk)))
+    out, _ = index_attention_fwd(q, kvh, slots, valid, scalar_tensor(scale, q.device), dk,
+                                 max(1, int(chunk)))  # fmt: skip
     return out.to(q.dtype)

@@ -39,7 +39,9 @@ Scoring. A query ``t`` sees only pools of its document, which started fewer than
 ``ctx.band`` tokens before it, so :func:`select_pools` scores each chunk of queries against
 the slots of positions ``[first query - band + 1, last query]`` only (``fcp::pool_top``, a
 custom op looping over query chunks: the compiled graph does not grow with the sequence, and
-the transient scores are bounded by the chunk). The result is the same as scoring every slot
+the transient scores are bounded by the chunk; ``fcp::pool_selection`` adds the ordering, the
+pools' tokens and the tail, and ``fcp::pool_slot_table`` builds the slot table, so a dynamic
+compile traces none of that arithmetic). The result is the same as scoring every slot
 of the row, bitwise: the slots left out are invisible to the chunk, the per-(query, pool)
 scores do not depend on which others are computed, and the tie rule orders slots by position.
 
@@ -60,7 +62,7 @@ from fcp.comm import all_gather_group, left_halo
 from fcp.context import PackedContext
 from fcp.layout import PAD_DOC_ID, document_starts, position_ids_from_doc_ids
 from fcp.ops.kit.balance import attention_plan, run_balanced
-from fcp.ops.kit.common import register_fp32_autocast
+from fcp.ops.kit.common import register_fp32_autocast, scalar_tensor
 
 __all__ = [
     "check_selection",
@@ -71,6 +73,8 @@ __all__ = [
     "select_pools",
     "SCORE_CHUNK_ELEMENTS",
     "pool_top",
+    "pool_selection",
+    "pool_slot_table",
     "score_chunks",
     "score_chunk_rows",
     "scored_pairs",
@@ -255,17 +259,23 @@ def pool_tokens(ends: torch.Tensor, chosen: torch.Tensor, kpool: int) -> torch.T
     return torch.where(chosen[..., None], tok, -1).flatten(-2)
 
 
-def tail_tokens(ctx: PackedContext, kpool: int) -> torch.Tensor:
-    """int64 ``[batch, local_seq, kpool - 1]``: the tail of each local query ``t``, the tokens of
-    its incomplete pool ``t - n + 1 .. t`` with ``n = (p + 1) % kpool`` (``p`` = document
-    position; empty when ``t`` ends a pool), then ``-1``; all ``-1`` for pad queries."""
-    dev = ctx.doc_ids.device
-    t = torch.arange(ctx.seq_start, ctx.seq_end, device=dev)
-    pos = position_ids_from_doc_ids(ctx.doc_ids)[:, ctx.seq_start : ctx.seq_end]
-    n = torch.where(ctx.local_valid, (pos + 1) % kpool, 0)  # [b, L]
+def tail_tokens(doc_ids: torch.Tensor, start: int, n: int, kpool: int) -> torch.Tensor:
+    """int64 ``[batch, n, kpool - 1]``: the tail of each query ``t`` of ``start .. start + n -
+    1`` (global positions), the tokens of its incomplete pool ``t - m + 1 .. t`` with ``m = (p +
+    1) % kpool`` (``p`` = document position; empty when ``t`` ends a pool), then ``-1``; all
+    ``-1`` for pad queries.
+
+    >>> tail_tokens(torch.tensor([[1, 1, 1, 1, 1, 0]]), 3, 3, 2).tolist()
+    [[[-1], [4], [-1]]]
+    """
+    dev = doc_ids.device
+    t = torch.arange(start, start + n, device=dev)
+    pos = position_ids_from_doc_ids(doc_ids)[:, start : start + n]
+    real = doc_ids[:, start : start + n] != PAD_DOC_ID
+    m = torch.where(real, (pos + 1) % kpool, 0)  # [b, n]
     r = torch.arange(kpool - 1, device=dev)
-    tok = (t - n + 1)[..., None] + r
-    return torch.where(r < n[..., None], tok, -1)
+    tok = (t - m + 1)[..., None] + r
+    return torch.where(r < m[..., None], tok, -1)
 
 
 def doc_lengths(doc_ids: torch.Tensor, start: int, length: int) -> torch.Tensor:
@@ -335,9 +345,22 @@ class PoolPlan(NamedTuple):
     ends: torch.Tensor
 
 
+@torch.library.custom_op("fcp::pool_slot_table", mutates_args=())
+def pool_slot_table(doc_ids: torch.Tensor, kpool: int, cp_size: int) -> torch.Tensor:
+    """:func:`pool_slots` as one opaque node (traced, its reshapes reason about the slot count
+    symbolically under a dynamic compile)."""
+    return pool_slots(doc_ids, kpool, cp_size)
+
+
+@pool_slot_table.register_fake
+def _(doc_ids, kpool, cp_size):
+    cap = -(-(doc_ids.shape[1] // cp_size) // kpool)  # slot_capacity, on symbolic sizes
+    return doc_ids.new_empty(doc_ids.shape[0], cp_size * cap, dtype=torch.int64)
+
+
 def plan_pools(ctx: PackedContext, kpool: int) -> PoolPlan:
     """The slot table of pools of ``kpool`` tokens, from the replicated map (no communication)."""
-    slots = pool_slots(ctx.doc_ids, kpool, ctx.cp_size)
+    slots = pool_slot_table(ctx.doc_ids, kpool, ctx.cp_size)
     return PoolPlan(slots, local_slots(slots, ctx, kpool))
 
 
@@ -349,12 +372,13 @@ def gather_pool_keys(local_keys: torch.Tensor, ctx: PackedContext) -> torch.Tens
 
 def relu_head_scores(q: torch.Tensor, keys_t: torch.Tensor,
                      head_weights: torch.Tensor | None = None,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``[batch, queries, P]``: ``sum_h w_h * relu(scale * q_h . k_p)``.
 
     ``q`` fp32 ``[batch, queries, heads, Di]``, ``keys_t`` fp32 ``[batch, Di, P]``;
-    ``head_weights`` ``[batch, queries, heads]`` (``None``: 1) and ``scale`` (``None``: no
-    multiply, so the arithmetic is exactly the unscaled one). One ``[queries, P]`` matmul per
+    ``head_weights`` ``[batch, queries, heads]`` (``None``: 1) and ``scale`` (a float or a 0-d
+    tensor, the same product bitwise; ``None``: no multiply, so the arithmetic is exactly the
+    unscaled one). One ``[queries, P]`` matmul per
     head bounds the memory.
     """
     score = None
@@ -418,7 +442,7 @@ def scored_pairs(ctx: PackedContext, kpool: int, chunk: int | None = None) -> in
 @torch.library.custom_op("fcp::pool_top", mutates_args=())
 def pool_top(q: torch.Tensor, keys: torch.Tensor, head_weights: Optional[torch.Tensor],
              slots: torch.Tensor, doc_ids: torch.Tensor, seq_start: int, local_len: int,
-             kpool: int, band: int, n_pools: int, scale: Optional[float],
+             kpool: int, band: int, n_pools: int, scale: Optional[torch.Tensor],
              divisor: Optional[float],
              chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`top_pools` of :func:`relu_head_scores` (divided by ``divisor`` if given) for the
@@ -426,7 +450,8 @@ def pool_top(q: torch.Tensor, keys: torch.Tensor, head_weights: Optional[torch.T
     against its :func:`slot_window` only.
 
     ``q`` fp32 ``[b, n, Hi, Di]``, ``keys`` fp32 ``[b, P, Di]``, ``slots`` the pool ends ``[b,
-    P]`` of ranks of ``local_len`` tokens (:func:`pool_slots`); returns ``(slot, chosen,
+    P]`` of ranks of ``local_len`` tokens (:func:`pool_slots`), ``scale`` a 0-d fp64 tensor
+    (:func:`~fcp.ops.kit.common.scalar_tensor`) or ``None``; returns ``(slot, chosen,
     chosen_score)`` ``[b, n, n_pools]`` with global slot ids; ``chunk=0`` is
     :func:`score_chunk_rows`' default."""
     batch, n = q.shape[:2]
@@ -462,6 +487,46 @@ register_fp32_autocast(pool_top)
 TAIL_LAYOUTS = ("after_document_pools", "after_chosen", "none")
 
 
+@torch.library.custom_op("fcp::pool_selection", mutates_args=())
+def pool_selection(q: torch.Tensor, keys: torch.Tensor, head_weights: Optional[torch.Tensor],
+                   ascending: Optional[torch.Tensor], slots: torch.Tensor, doc_ids: torch.Tensor,
+                   start: int, local_len: int, kpool: int, band: int, n_pools: int,
+                   scale: Optional[torch.Tensor], divisor: Optional[float], chunk: int,
+                   tail: str) -> torch.Tensor:  # fmt: skip
+    """:func:`select_pools`' rows for the queries ``start ..`` (global positions; ``q``, its
+    ``head_weights`` and ``ascending`` (int ``[b, n, 1]``, nonzero: ascending) hold their
+    rows): :func:`pool_top`, the order, each pool's tokens and the tail, in one opaque node
+    (traced, the ordering, expansion and tail arithmetic were a large part of a DSA layer's
+    dynamic compile). int64 ``[b, n, n_pools * kpool (+ kpool - 1)]``."""
+    slot, chosen, chosen_score = pool_top(q, keys, head_weights, slots, doc_ids, start,
+                                          local_len, kpool, band, n_pools, scale, divisor,
+                                          chunk)  # fmt: skip
+    ranked, ranked_ok = by_score(slot, chosen, chosen_score)
+    if ascending is None:
+        slot, chosen = ranked, ranked_ok
+    else:
+        up = ascending.bool()
+        slot, chosen = torch.where(up, slot, ranked), torch.where(up, chosen, ranked_ok)
+    ends = slots.gather(1, slot.flatten(1)).view_as(slot)
+    rows = pool_tokens(ends, chosen, kpool)
+    if tail == "none" or kpool == 1:
+        return rows
+    n = q.shape[1]
+    if tail == "after_document_pools":
+        pools_of_doc = doc_lengths(doc_ids, start, n) // kpool
+        first = torch.clamp(pools_of_doc, max=n_pools)[..., None] * kpool
+    else:
+        first = chosen.sum(-1, keepdim=True) * kpool
+    return place_tail(rows, tail_tokens(doc_ids, start, n, kpool), first)
+
+
+@pool_selection.register_fake
+def _(q, keys, head_weights, ascending, slots, doc_ids, start, local_len, kpool, band, n_pools,
+      scale, divisor, chunk, tail):  # fmt: skip
+    width = n_pools * kpool + (0 if tail == "none" or kpool == 1 else kpool - 1)
+    return q.new_empty(*q.shape[:2], width, dtype=torch.int64)
+
+
 def select_pools(q: torch.Tensor, keys: torch.Tensor, plan: PoolPlan, ctx: PackedContext,
                  kpool: int, n_pools: int, *, tail: str, ascending: torch.Tensor | None = None,
                  head_weights: torch.Tensor | None = None, scale: float | None = None,
@@ -482,31 +547,13 @@ def select_pools(q: torch.Tensor, keys: torch.Tensor, plan: PoolPlan, ctx: Packe
     # 0: the op picks the default itself, on concrete sizes, so that a dynamic length does not
     # specialise the graph on the chunking (results do not depend on it)
     chunk = 0 if chunk is None else chunk
-    tails = None if tail == "none" or kpool == 1 else tail_tokens(ctx, kpool)
-    if tail == "after_document_pools" and tails is not None:
-        n_doc = doc_lengths(ctx.doc_ids, ctx.seq_start, local)
-        tails = torch.cat([tails, torch.clamp(n_doc // kpool, max=n_pools)[..., None]], -1)
+    scale_t = None if scale is None else scalar_tensor(scale, q.device)
 
-    def run(start: int, n: int, q, ascending, head_weights, tails):
-        slot, chosen, chosen_score = pool_top(q, keys, head_weights, plan.slots, ctx.doc_ids,
-                                              start, local, kpool, band, n_pools, scale,
-                                              divisor, chunk)  # fmt: skip
-        ranked, ranked_ok = by_score(slot, chosen, chosen_score)
-        if ascending is None:
-            slot, chosen = ranked, ranked_ok
-        else:
-            up = ascending.bool()
-            slot, chosen = torch.where(up, slot, ranked), torch.where(up, chosen, ranked_ok)
-        ends = plan.slots.gather(1, slot.flatten(1)).view_as(slot)
-        rows = pool_tokens(ends, chosen, kpool)
-        if tails is None:
-            return rows
-        if tail == "after_document_pools":
-            tails, first = tails[..., :-1], tails[..., -1:] * kpool
-        else:
-            first = chosen.sum(-1, keepdim=True) * kpool
-        return place_tail(rows, tails, first)
+    def run(start: int, n: int, q, ascending, head_weights):
+        return pool_selection(q, keys, head_weights, ascending, plan.slots, ctx.doc_ids, start,
+                              local, kpool, band, n_pools, scale_t, divisor, chunk,
+                              tail)  # fmt: skip
 
     # bool does not travel through every backend's all-to-all: int8 for the trip
     up = None if ascending is None else ascending.to(torch.int8)
-    return run_balanced(ctx, attention_plan(ctx), run, q, up, head_weights, tails)
+    return run_balanced(ctx, attention_plan(ctx), run, q, up, head_weights)

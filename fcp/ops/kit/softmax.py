@@ -46,7 +46,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fcp.layout import OUTSIDE_DOC_ID, PAD_DOC_ID
-from fcp.ops.kit.common import compute_dtype, register_fp32_autocast, trim
+from fcp.ops.kit.common import compute_dtype, register_fp32_autocast, scalar_tensor, trim
 
 __all__ = ["BLOCK", "CHUNK_ELEMENTS", "Window", "banded_attention", "key_block_windows"]
 
@@ -193,8 +193,9 @@ def banded_attention_fwd(q: torch.Tensor, kvh: torch.Tensor, key_doc: torch.Tens
                          key_lo: torch.Tensor, doc_q: torch.Tensor,
                          win_kv: Optional[torch.Tensor], win_mask: Optional[torch.Tensor],
                          key_hi: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
-                         q_start: int, band: int, stride: int, scale: float, softcap: float,
-                         dk: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         q_start: int, band: int, stride: int, scale: torch.Tensor,
+                         softcap: float, dk: int,
+                         chunk: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out [b, Lp, H, Dv], lse [b, Lp, H])`` in the compute dtype (empty rows: 0 and 0;
     with sinks: 0 and the sink).
 
@@ -202,8 +203,9 @@ def banded_attention_fwd(q: torch.Tensor, kvh: torch.Tensor, key_doc: torch.Tens
     hkv, nkb, BLOCK, D + Dv]`` head-major key blocks, ``key_doc [b, nkb, BLOCK]``, ``key_lo``
     and ``key_hi`` (or ``None``: unbounded) ``[nkb, BLOCK]``; the window ``win_kv [b, Lp, hkv,
     W, D + Dv]``, ``win_mask [b, Lp, W]`` or ``None``; ``sinks [b, Lp, H]`` in the compute
-    dtype or ``None``; ``softcap`` 0 for none; ``chunk`` query blocks at a time (0:
-    :func:`chunk_blocks`' default)."""
+    dtype or ``None``; ``scale`` a 0-d fp64 tensor (:func:`~fcp.ops.kit.common.scalar_tensor`);
+    ``softcap`` 0 for none; ``chunk`` query blocks at a time (0: :func:`chunk_blocks`'
+    default)."""
     b, lp, h, _ = q.shape
     hkv, nkb, dv = kvh.shape[1], kvh.shape[2], kvh.shape[-1] - dk
     dt = compute_dtype(q, kvh)
@@ -249,7 +251,7 @@ def banded_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, kvh: torch.Ten
                          win_kv: Optional[torch.Tensor], win_mask: Optional[torch.Tensor],
                          key_hi: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
                          out: torch.Tensor, lse: torch.Tensor, q_start: int, band: int,
-                         stride: int, scale: float, softcap: float, dk: int,
+                         stride: int, scale: torch.Tensor, softcap: float, dk: int,
                          chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                               torch.Tensor]:  # fmt: skip
     """``(dq, dkvh, d win_kv, d sinks)`` in the inputs' dtypes (``d win_kv`` / ``d sinks``
@@ -329,15 +331,20 @@ def _(grad_out, q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, key_hi, sinks,
 _TENSORS = 9  # q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, key_hi, sinks
 
 
+_SCALE = 12  # the position of ``scale`` (a tensor: saved, not kept on ctx) among the inputs
+
+
 def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:_TENSORS], *output)
-    ctx.args = inputs[_TENSORS:]
+    ctx.save_for_backward(*inputs[:_TENSORS], *output, inputs[_SCALE])
+    ctx.args = (*inputs[_TENSORS:_SCALE], None, *inputs[_SCALE + 1 :])
 
 
 def _backward(ctx, grad_out, grad_lse):
-    tensors = ctx.saved_tensors
+    *tensors, scale = ctx.saved_tensors
     win_kv, sinks = tensors[5], tensors[8]
-    dq, dkvh, dwin, dsinks = banded_attention_bwd(grad_out, *tensors, *ctx.args)
+    args = list(ctx.args)
+    args[_SCALE - _TENSORS] = scale
+    dq, dkvh, dwin, dsinks = banded_attention_bwd(grad_out, *tensors, *args)
     return (dq, dkvh, None, None, None, None if win_kv is None else dwin, None, None,
             None if sinks is None else dsinks, *[None] * len(ctx.args))  # fmt: skip
 
@@ -414,6 +421,6 @@ def banded_attention(q: torch.Tensor, kv: torch.Tensor, dk: int, key_doc: torch.
     blocks = 0 if chunk is None else max(1, chunk // BLOCK)
     out, _ = banded_attention_fwd(_pad(q, lp, 1), kvh.contiguous(), kd, kl,
                                   _pad(doc_q, lp, 1, OUTSIDE_DOC_ID), wkv, wm, kh, sk, q_start,
-                                  band, stride, float(scale), float(softcap or 0.0), dk,
-                                  blocks)  # fmt: skip
+                                  band, stride, scalar_tensor(scale, q.device),
+                                  float(softcap or 0.0), dk, blocks)  # fmt: skip
     return trim(out, n, q.dtype)

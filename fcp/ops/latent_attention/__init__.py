@@ -73,8 +73,11 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_weight: torch.Ten
     + R`` numbers per token, never the expanded ``heads * (Dk + Dv)``); its backward reduce-scatter sums the ranks' gradients
     in fp32 and rounds once. Each rank expands only the tokens up to its last query. Gradients
     of ``kv_weight`` and ``kv_bias`` are per-rank partial sums (the data-parallel reduction over
-    the CP ranks sums them). No host synchronisation, static shapes: a compiled model does not
-    recompile for a new packing or selection. Documents are isolated as in
+    the CP ranks sums them). Memory: the expanded keys and values (``[batch, seq_end, heads,
+    Dk + Dv]``) are not kept for the backward, which expands the latent again (one matmul). No
+    host synchronisation, static shapes: a compiled model does not recompile for a new packing
+    or selection; the expansion, the selection and the softmax are one custom op each way
+    (opaque to the compiler, so a dynamic compile does not trace them). Documents are isolated as in
     :func:`~fcp.ops.index_attention.index_attention` (a NaN in one document's inputs leaves
     every other document's outputs and gradients unchanged).
 

@@ -9,6 +9,7 @@ import torch
 from fcp.comm import all_gather_group, with_left_halo
 from fcp.context import PackedContext
 from fcp.layout import PAD_DOC_ID
+from fcp.ops.kit.common import scalar_tensor
 from fcp.ops.kit.pools import gather_pool_keys, plan_pools, pool_top, slot_window, visible_slots
 
 __all__ = ["gated_pools_dense", "pool_select_dense", "pooled_window_attention_dense"]
@@ -60,7 +61,7 @@ def pool_select_dense(index_q: torch.Tensor, index_keys: torch.Tensor,
     slot, chosen, _ = pool_top(index_q.detach().float(), keys, head_weights.detach().float(),
                                plan.slots, ctx.doc_ids, ctx.seq_start, ctx.local_seq_len, ratio,
                                ctx.key_band, topk,
-                               scale, None, 0)  # fmt: skip
+                               scalar_tensor(scale, index_q.device), None, 0)  # fmt: skip
     return torch.where(chosen, slot, -1)
 
 
