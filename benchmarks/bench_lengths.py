@@ -2,9 +2,10 @@
 
     .venv/bin/python -m benchmarks.bench_lengths [--lengths 512 576 640 768] [--world 1]
         [--repeats 3] [--variants static auto dynamic dynamic_sf static* dynamic*]
+        [--backend aot_eager|inductor]
 
 The demo compiles every fcp-backed token mixer (``mixer.compile(fullgraph=True,
-backend="aot_eager")``). Each variant starts from a fresh Dynamo state and a fresh model and runs
+backend="aot_eager")``, or ``--backend inductor``). Each variant starts from a fresh Dynamo state and a fresh model and runs
 forward + backward on one packed row of each length in turn (``fcp.shard_batch``'s default
 arguments: local lengths need not be multiples of KDA's chunk):
 
@@ -52,19 +53,27 @@ VARIANTS = {"static": (False, True, False), "auto": (None, True, False),
             "static*": (False, False, False), "dynamic*": (True, False, False)}
 
 
-def job(env, lengths: list[int], variant: str, repeats: int) -> dict:
+def job(env, lengths: list[int], variant: str, repeats: int, backend: str = "aot_eager") -> dict:
     torch.set_num_threads(1)
+    import contextlib
+
+    from torch._inductor.utils import fresh_cache
+
     dynamic, cache, floats = VARIANTS[variant]
-    with torch._dynamo.config.patch(fake_tensor_cache_enabled=cache, specialize_float=floats):
-        return _run(env, lengths, dynamic, repeats)
+    # inductor: an empty kernel cache per variant (a later variant would reuse an earlier
+    # one's compiled graphs and kernels, from disk and from memory)
+    fresh = fresh_cache() if backend == "inductor" else contextlib.nullcontext()
+    with torch._dynamo.config.patch(fake_tensor_cache_enabled=cache, specialize_float=floats), \
+            fresh:  # fmt: skip
+        return _run(env, lengths, dynamic, repeats, backend)
 
 
-def _run(env, lengths: list[int], dynamic: bool | None, repeats: int) -> dict:
+def _run(env, lengths: list[int], dynamic: bool | None, repeats: int, backend: str) -> dict:
     import torch._dynamo.testing
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     model = Glm5NextLM.from_config()
     for mixer in model.mixers():
         mixer.compile(fullgraph=True, backend=counter, dynamic=dynamic)
@@ -94,8 +103,9 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                    help="a subset to run (the ratios need static and dynamic)")
+    p.add_argument("--backend", choices=("aot_eager", "inductor"), default="aot_eager")
     args = p.parse_args(argv)
-    print(f"# demo GLM-5.3-Flash mixers compiled (aot_eager), {args.world} rank(s), rows of "
+    print(f"# demo GLM-5.3-Flash mixers compiled ({args.backend}), {args.world} rank(s), rows of "
           f"{args.lengths} tokens: compile seconds paid at each length / compiled frames")
     table = Table(("variant", ">10"), *((f"{n} tok", ">14") for n in args.lengths),
                   ("steady s", "9.3f"), ("restarts", ">8"))  # fmt: skip
@@ -103,7 +113,7 @@ def main(argv=None) -> dict:
     res = {}
     with RankPool(max_world_size=max(2, args.world), timeout=600, job_timeout=3600) as pool:
         for variant in args.variants:
-            ranks = pool.run(job, args.world, args.lengths, variant, args.repeats)
+            ranks = pool.run(job, args.world, args.lengths, variant, args.repeats, args.backend)
             r = {"compile": [max(x["compile"][i] for x in ranks) for i in range(len(args.lengths))],
                  "steady": statistics.median(ranks[0]["steady"]), "frames": ranks[0]["frames"],
                  "restarts": ranks[0]["restarts"]}  # fmt: skip
