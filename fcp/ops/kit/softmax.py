@@ -329,24 +329,22 @@ def _(grad_out, q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, key_hi, sinks,
 
 
 _TENSORS = 9  # q, kvh, key_doc, key_lo, doc_q, win_kv, win_mask, key_hi, sinks
-
-
 _SCALE = 12  # the position of ``scale`` (a tensor: saved, not kept on ctx) among the inputs
 
 
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:_TENSORS], *output, inputs[_SCALE])
-    ctx.args = (*inputs[_TENSORS:_SCALE], None, *inputs[_SCALE + 1 :])
+    ctx.before, ctx.after = inputs[_TENSORS:_SCALE], inputs[_SCALE + 1 :]
 
 
 def _backward(ctx, grad_out, grad_lse):
     *tensors, scale = ctx.saved_tensors
     win_kv, sinks = tensors[5], tensors[8]
-    args = list(ctx.args)
-    args[_SCALE - _TENSORS] = scale
-    dq, dkvh, dwin, dsinks = banded_attention_bwd(grad_out, *tensors, *args)
+    dq, dkvh, dwin, dsinks = banded_attention_bwd(grad_out, *tensors, *ctx.before, scale,
+                                                  *ctx.after)  # fmt: skip
     return (dq, dkvh, None, None, None, None if win_kv is None else dwin, None, None,
-            None if sinks is None else dsinks, *[None] * len(ctx.args))  # fmt: skip
+            None if sinks is None else dsinks,
+            *[None] * (len(ctx.before) + 1 + len(ctx.after)))  # fmt: skip
 
 
 banded_attention_fwd.register_autograd(_backward, setup_context=_setup)

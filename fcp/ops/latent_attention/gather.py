@@ -19,8 +19,8 @@ slot sort and the masks were a few hundred symbolic-shape ops, and a dynamic com
 layer cost several times a static one. The forward saves its inputs, the output and the
 log-sum-exp, not the expanded keys and values (``[batch, seq_end, heads, Dk + Dv]``, the
 largest tensor of the layer); the backward expands again (one matmul) and pulls the gradients
-of the expansion back with autograd (:func:`~fcp.ops.kit.opaque.recompute_vjp`), so they are
-autograd's own formulas, as in an eager run.
+of the expansion back with autograd (:func:`~fcp.ops.kit.opaque.autograd_in_kernel`), so they
+are autograd's own formulas, as in an eager run.
 """
 
 from __future__ import annotations
@@ -33,20 +33,25 @@ import torch.nn.functional as F
 from fcp.comm import all_gather_sequence
 from fcp.context import PackedContext
 from fcp.ops.kit.attention import with_anchors
-from fcp.ops.kit.common import finite_or_zero, register_fp32_autocast, scalar_tensor
+from fcp.ops.kit.common import (
+    compute_dtype,
+    finite_or_zero,
+    register_fp32_autocast,
+    scalar_tensor,
+)
 from fcp.ops.kit.gather import (
     chunk_rows,
     index_attention_bwd,
     index_attention_fwd,
     selected_slots,
 )
-from fcp.ops.kit.opaque import recompute_vjp
+from fcp.ops.kit.opaque import autograd_in_kernel
 
 __all__ = ["latent_attention_bwd", "latent_attention_fwd", "latent_attention_gather"]
 
 
-def _expand(full: torch.Tensor, kv_weight: torch.Tensor, kv_bias: torch.Tensor | None,
-            seq_end: int, heads: int, dk: int, rope: int) -> torch.Tensor:  # fmt: skip
+def _expand(full: torch.Tensor, kv_weight: torch.Tensor, kv_bias: torch.Tensor | None = None,
+            *, seq_end: int, heads: int, dk: int, rope: int) -> torch.Tensor:  # fmt: skip
     """Head-major keys and values ``[batch, heads, seq_end, Dk + Dv]`` (per head keys then
     values, the layout of ``fcp::index_attention_fwd``) of the gathered latent ``full [batch,
     seq, rank + rope]`` up to ``seq_end``, in the common dtype of the latent and the weight."""
@@ -82,22 +87,17 @@ def latent_attention_fwd(q: torch.Tensor, full: torch.Tensor, kv_weight: torch.T
     global ids, ``doc_ids [b, S]``; ``scale`` a 0-d fp64 tensor; ``chunk`` queries at a time (0:
     the default)."""
     heads, dk = q.shape[2], q.shape[3]
-    kvh = _expand(full, kv_weight, kv_bias, seq_end, heads, dk, rope)
+    kvh = _expand(full, kv_weight, kv_bias, seq_end=seq_end, heads=heads, dk=dk, rope=rope)
     slots, valid = selected_slots(indices, doc_ids, seq_start)
     return index_attention_fwd(q, kvh, slots, valid, scale, dk,
                                _chunk(chunk, indices, heads, dk, kvh.shape[-1] - dk))  # fmt: skip
-
-
-def _out_dtype(q, full, kv_weight):
-    return torch.promote_types(torch.float32, torch.promote_types(
-        q.dtype, torch.promote_types(full.dtype, kv_weight.dtype)))  # fmt: skip
 
 
 @latent_attention_fwd.register_fake
 def _(q, full, kv_weight, kv_bias, indices, doc_ids, seq_start, seq_end, scale, rope, chunk):
     heads, dk = q.shape[2], q.shape[3]
     dv = kv_weight.shape[0] // heads - (dk - rope)
-    dt = _out_dtype(q, full, kv_weight)
+    dt = compute_dtype(q, full, kv_weight)
     return q.new_empty(*q.shape[:3], dv, dtype=dt), q.new_empty(q.shape[:3], dtype=dt)
 
 
@@ -111,18 +111,17 @@ def latent_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, full: torch.Te
     """``(dq, d full, d kv_weight, d kv_bias)`` in the inputs' dtypes (``d kv_bias`` empty
     without a bias); ``out`` and ``lse`` from the forward."""
     heads, dk = q.shape[2], q.shape[3]
-    weights = (kv_weight,) if kv_bias is None else (kv_weight, kv_bias)
-    kvh = _expand(full, kv_weight, kv_bias, seq_end, heads, dk, rope)
     slots, valid = selected_slots(indices, doc_ids, seq_start)
-    dq, dkvh = index_attention_bwd(grad_out, q, kvh, slots, valid, out, lse, scale, dk,
+    with autograd_in_kernel():  # one expansion, recorded: its gradients are autograd's
+        leaves = [x.detach().requires_grad_() for x in (full, kv_weight, kv_bias)
+                  if x is not None]  # fmt: skip
+        kvh = _expand(*leaves, seq_end=seq_end, heads=heads, dk=dk, rope=rope)
+    dq, dkvh = index_attention_bwd(grad_out, q, kvh.detach(), slots, valid, out, lse, scale, dk,
                                    _chunk(chunk, indices, heads, dk, kvh.shape[-1] - dk))
-
-    def expand(full, kv_weight, kv_bias=None):
-        return (_expand(full, kv_weight, kv_bias, seq_end, heads, dk, rope),)
-
-    grads = recompute_vjp(expand, (full, *weights), (), (dkvh,))
-    d_bias = grads[2] if kv_bias is not None else q.new_empty(0)
-    return dq, grads[0], grads[1], d_bias
+    with autograd_in_kernel():
+        grads = torch.autograd.grad(kvh, leaves, dkvh)
+    d_bias = grads[2].contiguous() if kv_bias is not None else q.new_empty(0)
+    return dq, grads[0].contiguous(), grads[1].contiguous(), d_bias
 
 
 @latent_attention_bwd.register_fake
@@ -130,7 +129,6 @@ def _(grad_out, q, full, kv_weight, kv_bias, indices, doc_ids, out, lse, seq_sta
       scale, rope, chunk):  # fmt: skip
     d_bias = q.new_empty(0) if kv_bias is None else torch.empty_like(kv_bias)
     return torch.empty_like(q), torch.empty_like(full), torch.empty_like(kv_weight), d_bias
-
 
 
 def _setup(ctx, inputs, output):
