@@ -250,6 +250,9 @@ def main(argv=None) -> Path:
                 f"{lr['dynamic_over_static']:.2f}x |")
     head.append(f"| the same with Dynamo's fake-tensor cache off (a user setting) | "
                 f"{lr['dynamic_nocache_over_static']:.2f}x |")
+    ref = len_res["transformers"]["ratios"]
+    head.append(f"| the same ratio for the layers' other modules (transformers' own code, no fcp): "
+                f"PyTorch's floor | {ref['dynamic_over_static']:.2f}x |")
     for r in agree_rows:
         if r["check_over_step"] is not None:
             head.append(f"| shard_batch's agreement check / demo fwd+bwd step ({r['world']} "

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.bench_lengths [--lengths 512 576 640 768] [--world 1]
         [--repeats 3] [--variants static auto dynamic dynamic_sf static* dynamic*]
-        [--backend aot_eager|inductor]
+        [--backend aot_eager|inductor] [--modules mixers transformers]
 
 The demo compiles every fcp-backed token mixer (``mixer.compile(fullgraph=True,
 backend="aot_eager")``, or ``--backend inductor``). Each variant starts from a fresh Dynamo state and a fresh model and runs
@@ -24,6 +24,12 @@ arguments: local lengths need not be multiples of KDA's chunk):
   (``torch._dynamo.config.fake_tensor_cache_enabled = False``, scoped to the run): with a
   symbolic length, rebuilding each cached op's output from its cache entry re-derives its
   symbolic sizes and strides, and costs more than running the meta kernel again.
+
+``--modules`` (default both, one after the other in one run): ``mixers``, the fcp mixers above;
+``transformers``, the reference: the modules of the same layers that fcp does not touch (each
+layer's MLP or MoE, RMSNorms and hyper-connections: transformers' own code, compiled module by
+module the same way), i.e. PyTorch's own price of a symbolic length on this machine. The last
+line divides the mixers' ratios by the reference's.
 
 Reported per variant and length: the step's wall time minus the same step's steady-state time
 (the compile cost it paid), and the compiled frames so far; per variant the Dynamo restarts
@@ -53,7 +59,13 @@ VARIANTS = {"static": (False, True, False), "auto": (None, True, False),
             "static*": (False, False, False), "dynamic*": (True, False, False)}
 
 
-def job(env, lengths: list[int], variant: str, repeats: int, backend: str = "aot_eager") -> dict:
+def reference_modules(model) -> list[torch.nn.Module]:
+    """The modules of ``model``'s layers other than the token mixers: transformers' code alone."""
+    return [m for layer in model.blocks for name, m in layer.named_children() if name != "self_attn"]
+
+
+def job(env, lengths: list[int], variant: str, repeats: int, backend: str = "aot_eager",
+        modules: str = "mixers") -> dict:
     torch.set_num_threads(1)
     import contextlib
 
@@ -65,18 +77,19 @@ def job(env, lengths: list[int], variant: str, repeats: int, backend: str = "aot
     fresh = fresh_cache() if backend == "inductor" else contextlib.nullcontext()
     with torch._dynamo.config.patch(fake_tensor_cache_enabled=cache, specialize_float=floats), \
             fresh:  # fmt: skip
-        return _run(env, lengths, dynamic, repeats, backend)
+        return _run(env, lengths, dynamic, repeats, backend, modules)
 
 
-def _run(env, lengths: list[int], dynamic: bool | None, repeats: int, backend: str) -> dict:
+def _run(env, lengths: list[int], dynamic: bool | None, repeats: int, backend: str,
+         modules: str) -> dict:
     import torch._dynamo.testing
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     model = Glm5NextLM.from_config()
-    for mixer in model.mixers():
-        mixer.compile(fullgraph=True, backend=counter, dynamic=dynamic)
+    for module in model.mixers() if modules == "mixers" else reference_modules(model):
+        module.compile(fullgraph=True, backend=counter, dynamic=dynamic)
     group = env.group if env.world_size > 1 else None
     first, steady, frames = [], [], []
     for seq in lengths:
@@ -104,25 +117,48 @@ def main(argv=None) -> dict:
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                    help="a subset to run (the ratios need static and dynamic)")
     p.add_argument("--backend", choices=("aot_eager", "inductor"), default="aot_eager")
+    p.add_argument("--modules", nargs="+", choices=("mixers", "transformers"),
+                   default=["mixers", "transformers"],
+                   help="what to compile: the fcp mixers, and the layers' other modules "
+                        "(transformers' own code: the reference)")  # fmt: skip
     args = p.parse_args(argv)
-    print(f"# demo GLM-5.3-Flash mixers compiled ({args.backend}), {args.world} rank(s), rows of "
-          f"{args.lengths} tokens: compile seconds paid at each length / compiled frames")
+    runs = {}
+    with RankPool(max_world_size=max(2, args.world), timeout=600, job_timeout=3600) as pool:
+        for modules in args.modules:
+            runs[modules] = _variants(pool, args, modules)
+    # the mixers' results at the top level (the report reads them there), the reference beside
+    res = dict(runs.get("mixers", {}))
+    if "transformers" in runs:
+        res["transformers"] = runs["transformers"]
+    if {"mixers", "transformers"} <= runs.keys():
+        mine, ref = runs["mixers"]["ratios"], runs["transformers"]["ratios"]
+        res["over_reference"] = {k: mine[k] / ref[k] for k in mine
+                                 if k.endswith("_over_static") and ref.get(k)}  # fmt: skip
+        print("\nmixers' ratios / transformers' own: "
+              + "; ".join(f"{k}: {v:.2f}" for k, v in res["over_reference"].items()))
+    return res
+
+
+def _variants(pool, args, modules: str) -> dict:
+    what = {"mixers": "mixers (fcp)", "transformers": "other modules (transformers' own code)"}
+    print(f"\n# demo GLM-5.3-Flash {what[modules]} compiled ({args.backend}), {args.world} "
+          f"rank(s), rows of {args.lengths} tokens: compile seconds paid at each length / "
+          "compiled frames")  # fmt: skip
     table = Table(("variant", ">10"), *((f"{n} tok", ">14") for n in args.lengths),
                   ("steady s", "9.3f"), ("restarts", ">8"))  # fmt: skip
     table.header()
     res = {}
-    with RankPool(max_world_size=max(2, args.world), timeout=600, job_timeout=3600) as pool:
-        for variant in args.variants:
-            ranks = pool.run(job, args.world, args.lengths, variant, args.repeats, args.backend)
-            r = {"compile": [max(x["compile"][i] for x in ranks) for i in range(len(args.lengths))],
-                 "steady": statistics.median(ranks[0]["steady"]), "frames": ranks[0]["frames"],
-                 "restarts": ranks[0]["restarts"]}  # fmt: skip
-            res[variant] = r
-            table.row(variant, *(f"{c:6.1f} s / {f}" for c, f in zip(r["compile"], r["frames"])),
-                      r["steady"], str(r["restarts"]))  # fmt: skip
+    for variant in args.variants:
+        ranks = pool.run(job, args.world, args.lengths, variant, args.repeats, args.backend,
+                         modules)  # fmt: skip
+        r = {"compile": [max(x["compile"][i] for x in ranks) for i in range(len(args.lengths))],
+             "steady": statistics.median(ranks[0]["steady"]), "frames": ranks[0]["frames"],
+             "restarts": ranks[0]["restarts"]}  # fmt: skip
+        res[variant] = r
+        table.row(variant, *(f"{c:6.2f} s / {f}" for c, f in zip(r["compile"], r["frames"])),
+                  r["steady"], str(r["restarts"]))  # fmt: skip
     res["ratios"] = q = _ratios(res)
-    print("\n" + "; ".join(f"{k}: {v:.2f}" for k, v in q.items())
-          + " (target: dynamic_over_static <= 2)")
+    print("; ".join(f"{k}: {v:.2f}" for k, v in q.items()) + " (target: dynamic_over_static <= 2)")
     return res
 
 
