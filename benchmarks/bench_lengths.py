@@ -1,13 +1,13 @@
-"""Row lengths that change: compile cost of the demo GLM-5.3-Flash's token mixers, static vs dynamic.
+"""Row lengths that change: compile cost of the demo GLM-5.3-Flash's mixers, static vs dynamic.
 
     .venv/bin/python -m benchmarks.bench_lengths [--lengths 512 576 640 768] [--world 1]
         [--repeats 3] [--variants static auto dynamic dynamic_sf static* dynamic*]
         [--backend aot_eager|inductor] [--modules mixers transformers]
 
 The demo compiles every fcp-backed token mixer (``mixer.compile(fullgraph=True,
-backend="aot_eager")``, or ``--backend inductor``). Each variant starts from a fresh Dynamo state and a fresh model and runs
-forward + backward on one packed row of each length in turn (``fcp.shard_batch``'s default
-arguments: local lengths need not be multiples of KDA's chunk):
+backend="aot_eager")``, or ``--backend inductor``). Each variant starts from a fresh Dynamo
+state and a fresh model and runs forward + backward on one packed row of each length in turn
+(``fcp.shard_batch``'s default arguments: local lengths need not be multiples of KDA's chunk):
 
 * ``static`` (``dynamic=False``): every new length compiles new graphs;
 * ``auto`` (Dynamo's default): the first length compiles static graphs, the second recompiles
@@ -61,7 +61,8 @@ VARIANTS = {"static": (False, True, False), "auto": (None, True, False),
 
 def reference_modules(model) -> list[torch.nn.Module]:
     """The modules of ``model``'s layers other than the token mixers: transformers' code alone."""
-    return [m for layer in model.blocks for name, m in layer.named_children() if name != "self_attn"]
+    return [m for layer in model.blocks for name, m in layer.named_children()
+            if name != "self_attn"]
 
 
 def job(env, lengths: list[int], variant: str, repeats: int, backend: str = "aot_eager",
