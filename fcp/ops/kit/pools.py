@@ -52,7 +52,6 @@ collectives are one ``k - 1`` token left halo and one all-gather of the per-slot
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -109,8 +108,9 @@ def pool_ends(doc_ids: torch.Tensor, kpool: int) -> torch.Tensor:
 
 
 def slot_capacity(local_len: int, kpool: int) -> int:
-    """Slots per rank: ``ceil(local_len / kpool)``, the most pool ends one interval can hold."""
-    return math.ceil(local_len / kpool)
+    """Slots per rank: ``ceil(local_len / kpool)``, the most pool ends one interval can hold.
+    Integer arithmetic: exact, and on a symbolic length (a dynamic compile) no float symbol."""
+    return -(-local_len // kpool)
 
 
 def pool_slots(doc_ids: torch.Tensor, kpool: int, cp_size: int) -> torch.Tensor:
@@ -354,7 +354,7 @@ def pool_slot_table(doc_ids: torch.Tensor, kpool: int, cp_size: int) -> torch.Te
 
 @pool_slot_table.register_fake
 def _(doc_ids, kpool, cp_size):
-    cap = -(-(doc_ids.shape[1] // cp_size) // kpool)  # slot_capacity, on symbolic sizes
+    cap = slot_capacity(doc_ids.shape[1] // cp_size, kpool)
     return doc_ids.new_empty(doc_ids.shape[0], cp_size * cap, dtype=torch.int64)
 
 
